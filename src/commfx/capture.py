@@ -1,0 +1,166 @@
+"""model -> FX graph, through dynamo with fullgraph=True.
+
+The graph dynamo hands a backend takes parameters as inputs and the batch size as a
+SymInt input. Passes want the torch.fx convention instead: parameters and buffers as
+`get_attr` of their qualified names (so a pass can shard one by replacing an attribute),
+placeholders only for the user's tensors, and the batch size read off the input with
+`sym_size` (so one graph serves every rank's batch, even and uneven).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .program import Program
+
+
+class CaptureError(RuntimeError):
+    """The model cannot be captured as one graph."""
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> Program:
+    """Trace `model(*example_inputs)` into a Program whose batch dimension (dim 0) is symbolic."""
+    if not isinstance(example_inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+        raise CaptureError("example_inputs must be a tuple of tensors (the global batch, split along dim 0)")
+    _prefer_capturable_hf_experts(model)
+    torch._dynamo.reset()
+    inputs = tuple(t.clone() for t in example_inputs)
+    for t in inputs:
+        if t.dim() > 0 and t.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(t, 0)
+    recorded: list[tuple[fx.GraphModule, list]] = []
+
+    def record(gm: fx.GraphModule, example: list):
+        recorded.append((gm, list(example)))
+        return gm.forward
+
+    try:
+        output = torch.compile(model, backend=record, fullgraph=True)(*inputs)
+    except torch._dynamo.exc.Unsupported as error:
+        raise CaptureError(_graph_break_message(error)) from None
+    except Exception as error:  # dynamo wraps user errors and constraint violations alike
+        raise CaptureError(
+            f"dynamo could not capture {type(model).__name__}: {type(error).__name__}: {_first_lines(str(error), 12)}\n"
+            "commfx needs the forward to trace as one graph with a symbolic batch dimension (dim 0); "
+            "code that specialises on the batch size (asserts, python branches on x.shape[0]) prevents that."
+        ) from None
+    finally:
+        torch._dynamo.reset()
+    if len(recorded) != 1:
+        raise CaptureError(f"expected one graph from dynamo, got {len(recorded)}")
+    leaves, out_spec = pytree.tree_flatten(output)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise CaptureError(
+            f"the model's output must be tensors (a tensor, or a tuple/list/dict of tensors); got leaves of types "
+            f"{sorted({type(leaf).__name__ for leaf in leaves})}. Wrap the model so forward returns tensors."
+        )
+    gm, example = recorded[0]
+    _to_fx_convention(gm, example, model, inputs)
+    return Program(gm=gm, modules=dict(model.named_modules()), out_spec=out_spec)
+
+
+def _to_fx_convention(gm: fx.GraphModule, example: list, model: torch.nn.Module, inputs: tuple) -> None:
+    """Parameters/buffers become get_attr, SymInt inputs become sym_size of a user input."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example):
+        raise CaptureError("internal: dynamo placeholders do not match its example inputs")
+    user_nodes, sym_nodes = [], []
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for node, value in zip(placeholders, example):
+        if isinstance(value, (torch.SymInt, int)):
+            sym_nodes.append(node)
+        elif id(value) in names:
+            _copy_attr(gm, model, names[id(value)])
+            with graph.inserting_before(first):
+                attr = graph.get_attr(names[id(value)])
+            attr.meta.update(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+        elif isinstance(value, torch.Tensor) and _is_user_input(node):
+            user_nodes.append(node)
+        else:
+            raise CaptureError(
+                f"graph input {node.name} is neither a parameter, a buffer nor a model input; "
+                "register tensors the model uses as buffers"
+            )
+    if len(user_nodes) != len(inputs):
+        raise CaptureError(f"expected {len(inputs)} tensor inputs in the graph, found {len(user_nodes)}")
+    for node in sym_nodes:
+        source = _find_dim(node, user_nodes)
+        with graph.inserting_after(user_nodes[-1]):
+            size = graph.call_function(torch.ops.aten.sym_size.int, source)
+        size.meta["example_value"] = node.meta.get("example_value")
+        node.replace_all_uses_with(size)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _is_user_input(node: fx.Node) -> bool:
+    source = node.meta.get("grapharg")
+    name = source.source.name if source is not None and hasattr(source, "source") else node.name
+    name = name() if callable(name) else str(name)
+    return "self" not in name.split(".")[0] and not re.search(r"_parameters|_buffers", name)
+
+
+def _find_dim(sym_node: fx.Node, user_nodes: list[fx.Node]) -> tuple[fx.Node, int]:
+    symbol = sym_node.meta.get("example_value")
+    expr = getattr(getattr(symbol, "node", None), "expr", None)
+    for node in user_nodes:
+        value = node.meta.get("example_value")
+        for dim, size in enumerate(getattr(value, "shape", ())):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                return node, dim
+    raise CaptureError(f"cannot tell which input dimension the size {sym_node.name} comes from")
+
+
+def _copy_attr(gm: fx.GraphModule, model: torch.nn.Module, qualified_name: str) -> None:
+    """Make model's parameter/buffer `qualified_name` an attribute of gm (the same tensor)."""
+    owner_path, _, leaf = qualified_name.rpartition(".")
+    value = getattr(model.get_submodule(owner_path) if owner_path else model, leaf)
+    owner = gm
+    for part in owner_path.split(".") if owner_path else []:
+        if not isinstance(getattr(owner, part, None), torch.nn.Module):
+            owner.add_module(part, torch.nn.Module())
+        owner = getattr(owner, part)
+    if isinstance(value, torch.nn.Parameter):
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value)
+
+
+def _prefer_capturable_hf_experts(model: torch.nn.Module) -> None:
+    """HF v5 MoE experts loop over experts in eager mode (a graph break); pick batched_mm."""
+    config = getattr(model, "config", None)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_experts_implementation", None) in (None, "eager"):
+            try:
+                config._experts_implementation = "batched_mm"
+            except Exception:  # a config that refuses the attribute keeps its own choice
+                pass
+
+
+def _graph_break_message(error: Exception) -> str:
+    text = str(error)
+    location = ""
+    match = re.search(r'File "([^"]+)", line (\d+)', text)
+    if match:
+        location = f" at {match.group(1)}:{match.group(2)}"
+    return (
+        f"the model has a graph break{location}: {_first_lines(text, 6)}\n"
+        "commfx captures the whole forward as one graph (dynamo fullgraph=True). Fix the line above: "
+        "avoid data-dependent Python control flow (if tensor.item() ...), .tolist()/.item() on tensors, "
+        "and unsupported builtins; for HF MoE models use experts_implementation='batched_mm' or 'grouped_mm'."
+    )
+
+
+def _first_lines(text: str, n: int) -> str:
+    return "\n".join(text.strip().splitlines()[:n])

@@ -1,0 +1,7 @@
+"""Canonical ops (`torch.ops.commfx.*`). Importing this package registers them."""
+
+import torch
+
+from . import comm, moe  # noqa: F401  (registration side effects)
+
+commfx = torch.ops.commfx

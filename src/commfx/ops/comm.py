@@ -1,0 +1,60 @@
+"""Canonical communication ops. They hand their work to the runtime comm scheduler.
+
+A group is named (`"ep"`, `"world"`, ...), never a rank list or a process-group object,
+so the graph is the same on every rank: the runtime resolves the name to this rank's
+group when the op runs. Split sizes travel as count tensors (rank-dependent values are
+runtime inputs, never literals); their row sums are the per-rank splits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.comm import current_scheduler
+
+
+@torch.library.custom_op("commfx::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: str) -> torch.Tensor:
+    """Uneven all-to-all of rows: rank r sends send_counts[r].sum() rows to rank r of `group`.
+
+    send_counts/recv_counts are [P, ...] int64 (P = group size); rows are grouped by
+    destination in rank order.
+    """
+    send = send_counts.reshape(send_counts.shape[0], -1).sum(1).tolist()
+    recv = recv_counts.reshape(recv_counts.shape[0], -1).sum(1).tolist()
+    return current_scheduler().all_to_all(x, send, recv, group)
+
+
+@all_to_all.register_fake
+def _(x, send_counts, recv_counts, group):
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    _, send_counts, recv_counts, group = inputs
+    ctx.save_for_backward(send_counts, recv_counts)
+    ctx.group = group
+
+
+def _all_to_all_backward(ctx, grad):
+    send_counts, recv_counts = ctx.saved_tensors
+    # The adjoint of a permutation across ranks is the reverse exchange.
+    return all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group), None, None, None
+
+
+all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+@torch.library.custom_op("commfx::exchange_counts", mutates_args=())
+def exchange_counts(counts: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
+    """counts [E] (rows for every expert) -> [P, E/P]: what each rank of `group` sends my experts."""
+    send = counts.reshape(group_size, -1).contiguous()
+    ones = [1] * group_size
+    received = current_scheduler().all_to_all(send, ones, ones, group)
+    return received.reshape(group_size, -1)
+
+
+@exchange_counts.register_fake
+def _(counts, group, group_size):
+    return counts.new_empty((group_size, counts.shape[0] // group_size))

@@ -1,0 +1,299 @@
+"""Canonical MoE ops: router, dispatch, expert FFN, row regrouping and combine.
+
+After `lift`, every MoE block of every model family is spelled with these ops, so the
+later passes (expert parallelism, partitioning, packing) see one vocabulary. Each op is a
+`torch.library.custom_op` with a fake implementation (so graphs can be traced with fake
+tensors and lowered with aot_autograd) and an explicit backward.
+
+Layout conventions, shared by every op here:
+- an *assignment* is one (token, choice) pair; assignment a = token * k + choice;
+- dispatch lays assignments out in *rows* grouped by expert (expert 0's rows first);
+  `slot[a]` is the row of assignment a, or -1 where capacity dropped it;
+- counts are int64 tensors; counts[e] rows belong to expert e.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import grouped_mm, grouped_mm_weight_grad
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+# ---------------------------------------------------------------------------- router
+
+
+@torch.library.custom_op("commfx::topk_router", mutates_args=())
+def topk_router(
+    logits: torch.Tensor, k: int, normalize: bool, score_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(logits) in `score_dtype`, top-k, optionally renormalised: (weights [N,k], indices [N,k])."""
+    probs = torch.softmax(logits.to(score_dtype), dim=-1)
+    weights, indices = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, indices
+
+
+@topk_router.register_fake
+def _(logits, k, normalize, score_dtype):
+    shape = (logits.shape[0], k)
+    return logits.new_empty(shape, dtype=score_dtype), logits.new_empty(shape, dtype=torch.int64)
+
+
+def _topk_router_setup(ctx, inputs, output):
+    logits, k, normalize, score_dtype = inputs
+    weights, indices = output
+    ctx.save_for_backward(logits, indices)
+    ctx.normalize, ctx.score_dtype = normalize, score_dtype
+
+
+def _topk_router_backward(ctx, grad_weights, grad_indices):
+    logits, indices = ctx.saved_tensors
+    probs = torch.softmax(logits.to(ctx.score_dtype), dim=-1)
+    picked = probs.gather(-1, indices)
+    grad_picked = grad_weights
+    if ctx.normalize:
+        total = picked.sum(-1, keepdim=True)
+        weights = picked / total
+        grad_picked = (grad_weights - (grad_weights * weights).sum(-1, keepdim=True)) / total
+    grad_probs = torch.zeros_like(probs).scatter_(-1, indices, grad_picked)
+    grad_logits = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+    return grad_logits.to(logits.dtype), None, None, None
+
+
+topk_router.register_autograd(_topk_router_backward, setup_context=_topk_router_setup)
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+def expert_capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows per expert in capacity mode: ceil(factor * tokens * k / experts), at least 1."""
+    return max(1, math.ceil(capacity_factor * num_tokens * k / num_experts))
+
+
+@torch.library.custom_op("commfx::moe_dispatch", mutates_args=())
+def moe_dispatch(
+    x: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity_factor: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay tokens out by expert: (rows [R,H], counts [E], slot [N*k]).
+
+    capacity_factor <= 0 is dropless: R = N*k. Otherwise every expert gets exactly
+    C = expert_capacity(...) rows (R = E*C, zero rows pad); assignments past an expert's
+    capacity are dropped in token order (earlier tokens keep their place), contribute
+    nothing to the output and the token's other weights are not renormalised: the
+    residual connection carries a dropped token.
+    """
+    row_token, counts, slot = _dispatch_layout(indices, num_experts, capacity_factor)
+    rows = x.new_zeros((row_token.shape[0], x.shape[1]))
+    valid = row_token >= 0
+    rows[valid] = x[row_token[valid]]
+    return rows, counts, slot
+
+
+def _dispatch_layout(indices: torch.Tensor, num_experts: int, capacity_factor: float):
+    """(row_token [R] (-1 on padding), counts [E], slot [N*k]) for a dispatch."""
+    n, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments by expert, token order within one
+    counts = torch.bincount(flat, minlength=num_experts)
+    if capacity_factor <= 0:
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(order.numel(), device=order.device)
+        return order // k, counts, slot
+    capacity = expert_capacity(n, k, num_experts, capacity_factor)
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_experts = flat[order]
+    position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
+    keep = position < capacity
+    destination = sorted_experts[keep] * capacity + position[keep]
+    slot = torch.full_like(flat, -1)
+    slot[order[keep]] = destination
+    row_token = torch.full((num_experts * capacity,), -1, dtype=torch.int64, device=indices.device)
+    row_token[destination] = order[keep] // k
+    return row_token, torch.full_like(counts, capacity), slot
+
+
+@moe_dispatch.register_fake
+def _(x, indices, num_experts, capacity_factor):
+    n, k = indices.shape
+    rows = n * k if capacity_factor <= 0 else torch.library.get_ctx().new_dynamic_size()
+    return (
+        x.new_empty((rows, x.shape[1])),
+        indices.new_empty((num_experts,), dtype=torch.int64),
+        indices.new_empty((n * k,), dtype=torch.int64),
+    )
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, indices, _, _ = inputs
+    ctx.save_for_backward(output[2])
+    ctx.num_tokens, ctx.k = x.shape[0], indices.shape[1]
+
+
+def _dispatch_backward(ctx, grad_rows, grad_counts, grad_slot):
+    (slot,) = ctx.saved_tensors
+    return moe_scatter_rows(grad_rows, slot, ctx.num_tokens, ctx.k), None, None, None
+
+
+moe_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("commfx::moe_scatter_rows", mutates_args=())
+def moe_scatter_rows(rows: torch.Tensor, slot: torch.Tensor, num_tokens: int, k: int) -> torch.Tensor:
+    """The adjoint of dispatch: out[t] = sum of rows[slot[a]] over t's kept assignments a."""
+    kept = slot >= 0
+    tokens = torch.arange(slot.numel(), device=slot.device)[kept] // k
+    out = rows.new_zeros((num_tokens, rows.shape[1]))
+    return out.index_add_(0, tokens, rows[slot[kept]])
+
+
+@moe_scatter_rows.register_fake
+def _(rows, slot, num_tokens, k):
+    return rows.new_empty((num_tokens, rows.shape[1]))
+
+
+# ---------------------------------------------------------------------------- combine
+
+
+@torch.library.custom_op("commfx::moe_combine", mutates_args=())
+def moe_combine(rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y[t] = sum_j weights[t, j] * rows[slot[t*k + j]] (a dropped assignment adds nothing)."""
+    n, k = weights.shape
+    picked = _gather_assignments(rows, slot)
+    return (picked.view(n, k, -1) * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def _gather_assignments(rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    picked = rows[slot.clamp(min=0)]
+    return picked * (slot >= 0).unsqueeze(-1).to(rows.dtype)
+
+
+@moe_combine.register_fake
+def _(rows, slot, weights):
+    return rows.new_empty((weights.shape[0], rows.shape[1]))
+
+
+def _combine_setup(ctx, inputs, output):
+    rows, slot, weights = inputs
+    ctx.save_for_backward(rows, slot, weights)
+
+
+def _combine_backward(ctx, grad_out):
+    rows, slot, weights = ctx.saved_tensors
+    n, k = weights.shape
+    grad_assign = (grad_out.unsqueeze(1) * weights.to(rows.dtype).unsqueeze(-1)).reshape(n * k, -1)
+    kept = slot >= 0
+    grad_rows = rows.new_zeros(rows.shape)
+    grad_rows[slot[kept]] = grad_assign[kept]
+    picked = _gather_assignments(rows, slot).view(n, k, -1)
+    grad_weights = (picked * grad_out.unsqueeze(1)).sum(-1).to(weights.dtype)
+    return grad_rows, None, grad_weights
+
+
+moe_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# ---------------------------------------------------------------------------- experts
+
+
+@torch.library.custom_op("commfx::expert_ffn", mutates_args=())
+def expert_ffn(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """Gated expert FFN over rows grouped by expert: down_e(act(gate_e x) * up_e x).
+
+    gate_up is [E, 2I, H] (gate rows first), down is [E, H, I], both F.linear layout; E is
+    the number of experts this op holds, so after expert parallelism it is the local shard.
+    """
+    hidden = grouped_mm(x, gate_up, counts)
+    gate, up = hidden.chunk(2, dim=-1)
+    return grouped_mm(ACTIVATIONS[activation](gate) * up, down, counts)
+
+
+@expert_ffn.register_fake
+def _(x, counts, gate_up, down, activation):
+    return x.new_empty((x.shape[0], down.shape[1]))
+
+
+def _expert_ffn_setup(ctx, inputs, output):
+    x, counts, gate_up, down, activation = inputs
+    ctx.save_for_backward(x, counts, gate_up, down)
+    ctx.activation = activation
+
+
+def _expert_ffn_backward(ctx, grad_out):
+    x, counts, gate_up, down = ctx.saved_tensors
+    hidden = grouped_mm(x, gate_up, counts)  # recomputed: cheaper in memory than saving it
+    gate, up = hidden.chunk(2, dim=-1)
+    with torch.enable_grad():
+        gate_leaf = gate.detach().requires_grad_(True)
+        activated = ACTIVATIONS[ctx.activation](gate_leaf)
+    inner = activated.detach() * up
+    grad_down = grouped_mm_weight_grad(grad_out, inner, counts)
+    grad_inner = grouped_mm(grad_out, down, counts, trans_w=False)
+    (grad_gate,) = torch.autograd.grad(activated, gate_leaf, grad_inner * up)
+    grad_hidden = torch.cat([grad_gate, grad_inner * activated.detach()], dim=-1)
+    grad_gate_up = grouped_mm_weight_grad(grad_hidden, x, counts)
+    grad_x = grouped_mm(grad_hidden, gate_up, counts, trans_w=False)
+    return grad_x, None, grad_gate_up, grad_down, None
+
+
+expert_ffn.register_autograd(_expert_ffn_backward, setup_context=_expert_ffn_setup)
+
+
+# ---------------------------------------------------------------------------- regrouping
+
+
+@torch.library.custom_op("commfx::group_by_expert", mutates_args=())
+def group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Reorder rows between source-major and expert-major order.
+
+    After the dispatch all-to-all a rank holds, for each source rank s, counts[s, e] rows
+    for each of its local experts e (source-major). The experts want expert-major order.
+    `inverse=True` goes back (before the combine all-to-all).
+    """
+    order = _source_to_expert_order(counts)
+    if inverse:
+        out = torch.empty_like(rows)
+        out[order] = rows
+        return out
+    return rows[order]
+
+
+def _source_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
+    """Indices into source-major rows that list them expert-major."""
+    sources, experts = counts.shape
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(sources, experts)
+    pieces = [
+        torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]), device=counts.device)
+        for e in range(experts)
+        for s in range(sources)
+    ]
+    if not pieces:
+        return torch.zeros(0, dtype=torch.int64, device=counts.device)
+    return torch.cat(pieces)
+
+
+@group_by_expert.register_fake
+def _(rows, counts, inverse):
+    return torch.empty_like(rows)
+
+
+def _group_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.inverse = inputs[2]
+
+
+def _group_backward(ctx, grad):
+    (counts,) = ctx.saved_tensors
+    return group_by_expert(grad, counts, not ctx.inverse), None, None
+
+
+group_by_expert.register_autograd(_group_backward, setup_context=_group_setup)

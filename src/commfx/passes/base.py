@@ -1,0 +1,108 @@
+"""Pass, the pass registry, the pass manager and the verifier that runs after every pass.
+
+A pass is a small class: a name, an options dataclass, the graph facts it requires and
+ensures, a docstring that states its idea in two lines and cites its paper, and
+`run(program, options, plan) -> bool` (whether it changed the graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+
+from ..plan import Plan, PlanError
+from ..program import Program
+
+
+class PassError(RuntimeError):
+    """A pass cannot apply to this graph (the message says why and what to do)."""
+
+
+class Pass:
+    name: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()  # graph facts that must hold before
+    ensures: ClassVar[tuple[str, ...]] = ()  # graph facts that hold after
+    requires_passes: ClassVar[tuple[str, ...]] = ()  # passes that must come earlier in a plan
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        pass
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Any, model: torch.nn.Module | None) -> None:
+        """Reject, before tracing, plans that cannot fit the model or topology."""
+
+    def run(self, program: Program, options: Any, plan: Plan) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def summary(cls) -> str:
+        doc = (cls.__doc__ or "").strip().splitlines()
+        return doc[0] if doc else ""
+
+
+REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    if cls.name in REGISTRY:
+        raise ValueError(f"pass {cls.name!r} registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_pass(name: str) -> type[Pass]:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise PlanError(f"unknown pass {name!r}; registered passes: {', '.join(REGISTRY)} (see `commfx passes`)") from None
+
+
+def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None) -> Program:
+    """Run the plan's passes in order, verifying the graph after each one."""
+    for spec in plan.passes:
+        pass_cls = get_pass(spec.name)
+        missing = [fact for fact in pass_cls.requires if fact not in program.facts]
+        if missing:
+            raise PassError(f"pass {spec.name!r} requires {', '.join(missing)}; run the pass that establishes it first")
+        options = plan.options_for(spec.name)
+        changed = pass_cls().run(program, options, plan)
+        program.facts.update(pass_cls.ensures)
+        program.history.append(f"{spec.name}: {'changed' if changed else 'no change'}")
+        verify_graph(program, plan)
+        if stop_after == spec.name:
+            break
+    return program
+
+
+# ------------------------------------------------------------------------------ verifier
+
+COMM_OPS = ("all_to_all", "exchange_counts")
+RANK_QUERIES = {"get_rank", "get_world_size", "get_process_group_ranks"}
+
+
+def verify_graph(program: Program, plan: Plan) -> None:
+    """Lint the graph and check the SPMD invariants every pass must keep."""
+    graph = program.graph
+    graph.lint()
+    known_groups = set(plan.topology.process_groups())
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        target_name = getattr(node.target, "__name__", str(node.target))
+        if target_name in RANK_QUERIES or "get_rank" in str(node.target):
+            raise PassError(f"node {node.name} queries the rank inside the graph; rank-dependent values must be runtime inputs")
+        if _is_commfx(node, COMM_OPS):
+            group = node.args[-1] if node.target is not torch.ops.commfx.exchange_counts.default else node.args[1]
+            if group not in known_groups:
+                raise PassError(f"node {node.name} uses process group {group!r}, which the plan does not define")
+        if "_c10d_functional" in str(node.target) and "wait_tensor" not in str(node.target):
+            if not any("wait_tensor" in str(user.target) for user in node.users):
+                raise PassError(f"collective {node.name} has no matching wait_tensor")
+
+
+def _is_commfx(node: fx.Node, names: tuple[str, ...]) -> bool:
+    return any(node.target is getattr(torch.ops.commfx, n).default for n in names)

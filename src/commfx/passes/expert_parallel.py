@@ -1,0 +1,125 @@
+"""expert_parallel: shard experts over the ep group and route tokens with all-to-all.
+
+Each lifted block `dispatch -> expert_ffn -> combine` becomes
+
+    dispatch -> exchange_counts -> all_to_all -> group_by_expert
+             -> expert_ffn (local E/ep experts) -> group_by_expert(inverse) -> all_to_all -> combine
+
+Dispatch sorts rows by global expert id; experts [r*E/ep, (r+1)*E/ep) live on ep rank r, so
+rows are already grouped by destination rank. Dropless mode sends uneven splits; capacity
+mode pads every expert to the same capacity (see `ops.moe.moe_dispatch` for the drop
+policy). Non-expert parameters stay replicated (data parallel); the runtime shards the
+expert weights as the `shards` annotation says, so the graph is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..plan import Plan, PlanError
+from ..program import Program, stamp
+from .base import Pass, PassError, register
+from .lift import find_experts_modules
+
+commfx = torch.ops.commfx
+PASS = "expert_parallel"
+
+
+@register
+class ExpertParallel(Pass):
+    """Shard experts over ranks; dispatch and combine tokens with uneven all-to-all.
+
+    (GShard / Switch-style expert parallelism; the substrate Lina and LocMoE build on.)
+    """
+
+    name = PASS
+    requires = ("moe lifted",)
+    ensures = ("expert parallel",)
+    requires_passes = ("lift",)
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        capacity_factor: float = 0.0  # 0: dropless (uneven all-to-all); > 0: fixed capacity per expert
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Options, model) -> None:
+        if options.capacity_factor < 0:
+            raise PlanError(f"expert_parallel capacity_factor must be >= 0 (0 = dropless), got {options.capacity_factor}")
+        if model is None:
+            return
+        ep = plan.topology.expert_parallel_size
+        found = find_experts_modules(model)
+        matched = [(path, module) for path, module, pattern in found if pattern is not None]
+        if not matched:
+            unmatched = [f"{path} ({type(m).__name__})" for path, m, _ in found]
+            hint = f" Modules that look like MoE but match no recogniser: {', '.join(unmatched)}." if unmatched else ""
+            raise PlanError(
+                f"expert_parallel was requested but {type(model).__name__} has no MoE block commfx recognises.{hint} "
+                "Drop expert_parallel from --passes, or add a recogniser to commfx.passes.lift.EXPERTS_PATTERNS."
+            )
+        for path, module in matched:
+            experts = next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
+            if experts % ep:
+                raise PlanError(
+                    f"{path} has {experts} experts, which do not divide evenly over expert-parallel size {ep}; "
+                    f"choose ep from {[d for d in range(1, experts + 1) if experts % d == 0 and plan.topology.world_size % d == 0]} "
+                    "(--ep) or a world size whose ep divides the expert count"
+                )
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        blocks = program.annotations.get("moe_blocks") or []
+        if not blocks:
+            unmatched = program.annotations.get("unmatched_moe") or []
+            raise PassError(
+                "expert_parallel found no lifted MoE block in the graph"
+                + (f" (unrecognised MoE-like modules: {', '.join(unmatched)})" if unmatched else "")
+            )
+        ep = plan.topology.expert_parallel_size
+        nodes = {n.name: n for n in program.graph.nodes}
+        shards = program.annotations.setdefault("shards", {})
+        for block in blocks:
+            if block["num_experts"] % ep:
+                raise PassError(f"{block['path']}: {block['num_experts']} experts do not divide over ep={ep}")
+            _distribute_block(program.graph, nodes, block, ep, options.capacity_factor)
+            for target in (block["gate_up"], block["down"]):
+                shards[target] = {"dim": 0, "group": "ep", "parts": ep, "replicated_over": "edp"}
+        program.gm.recompile()
+        return True
+
+
+def set_capacity(program: Program, capacity_factor: float) -> None:
+    """Switch every lifted dispatch to capacity mode (also used for the 1-rank reference)."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    for block in program.annotations.get("moe_blocks", []):
+        dispatch = nodes[block["dispatch"]]
+        dispatch.args = (*dispatch.args[:3], float(capacity_factor))
+    program.gm.recompile()
+
+
+def _distribute_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int, capacity_factor: float) -> None:
+    dispatch, ffn, combine = nodes[block["dispatch"]], nodes[block["expert_ffn"]], nodes[block["combine"]]
+    dispatch.args = (*dispatch.args[:3], float(capacity_factor))
+    rows, counts, gate_up, down, activation = ffn.args
+    local_experts = block["num_experts"] // ep
+
+    def make(target, args, purpose):
+        node = graph.call_function(target, args)
+        node.meta["nn_module_stack"] = dict(ffn.meta.get("nn_module_stack", {}))
+        return stamp(node, PASS, purpose) if purpose else node
+
+    with graph.inserting_before(ffn):
+        send_counts = make(torch.ops.aten.view.default, (counts, [ep, local_experts]), "rows per (dest rank, expert)")
+        recv_counts = make(commfx.exchange_counts.default, (counts, "ep", ep), "exchange token counts")
+        received = make(commfx.all_to_all.default, (rows, send_counts, recv_counts, "ep"), "dispatch all-to-all")
+        local_rows = make(commfx.group_by_expert.default, (received, recv_counts, False), "source-major -> expert-major")
+        local_counts = make(torch.ops.aten.sum.dim_IntList, (recv_counts, [0]), "rows per local expert")
+    ffn.args = (local_rows, local_counts, gate_up, down, activation)
+    with graph.inserting_after(ffn):
+        back = make(commfx.group_by_expert.default, (ffn, recv_counts, True), "expert-major -> source-major")
+    with graph.inserting_after(back):
+        returned = make(commfx.all_to_all.default, (back, recv_counts, send_counts, "ep"), "combine all-to-all")
+    combine.replace_input_with(ffn, returned)
+    stamp(ffn, PASS, f"local experts ({local_experts} of {block['num_experts']})")

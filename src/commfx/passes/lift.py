@@ -1,0 +1,317 @@
+"""lift: recognise MoE regions in a captured graph and spell them with canonical ops.
+
+Regions are found through `nn_module_stack`: every node a module's forward produced
+belongs to that module's region. Each recogniser below is one table entry: which module
+it matches, and what the region means in canonical ops. The experts region becomes
+`moe_dispatch -> expert_ffn -> moe_combine`; a softmax top-k router region becomes
+`topk_router`. A router no entry matches (group-limited, sigmoid, biased...) is kept
+verbatim: its outputs feed the canonical ops unchanged, so such families keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.commfx)
+from ..plan import Plan
+from ..program import Program, module_paths, stamp
+from .base import Pass, PassError, register
+
+commfx = torch.ops.commfx
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class ExpertsPattern:
+    """Experts stored as 3-D gated weights [E, 2I, H] and [E, H, I] (F.linear layout)."""
+
+    name: str
+    matches: Callable[[type, nn.Module | None], bool]
+    gate_up: str  # parameter holding [E, 2I, H] (gate rows first)
+    down: str  # parameter holding [E, H, I]
+    activation: Callable[[nn.Module | None, list[fx.Node]], str]
+
+
+def _is_builtin_experts(cls: type, module: nn.Module | None) -> bool:
+    from ..models.gpt_moe import Experts
+
+    return cls is Experts
+
+
+def _is_hf_gated_experts(cls: type, module: nn.Module | None) -> bool:
+    """HF v5 experts made by `use_experts_implementation` with the default layout."""
+    if not hasattr(cls, "_apply_gate") or "transformers" not in cls.__module__:
+        return False
+    if module is None:  # the compile backend sees classes only: trust the default layout
+        return True
+    from transformers.integrations.moe import _default_apply_gate
+
+    return (
+        getattr(module, "has_gate", False)
+        and not getattr(module, "has_bias", True)
+        and not getattr(module, "is_transposed", True)
+        and getattr(module, "is_concatenated", False)
+        and not getattr(module, "has_post_expert_norm", True)
+        and getattr(cls._apply_gate, "__func__", cls._apply_gate) is _default_apply_gate
+    )
+
+
+def _activation_from_region(module: nn.Module | None, region: list[fx.Node]) -> str:
+    names = {getattr(n.target, "__name__", str(n.target)) for n in region if n.op in ("call_function", "call_method")}
+    for activation in ("silu", "gelu", "relu"):
+        if activation in names:
+            return activation
+    raise PassError(f"cannot tell the experts' activation from the ops {sorted(names)}")
+
+
+EXPERTS_PATTERNS: tuple[ExpertsPattern, ...] = (
+    ExpertsPattern("commfx built-in Experts", _is_builtin_experts, "gate_up_proj", "down_proj", lambda m, r: "silu"),
+    ExpertsPattern("HF v5 gated experts (batched_mm/grouped_mm)", _is_hf_gated_experts, "gate_up_proj", "down_proj", _activation_from_region),
+)
+
+# Routers: softmax -> top-k (-> renormalise). Ops a matching region may contain besides
+# the logits computation; anything else means the router is of another kind.
+ROUTER_OPS = {"softmax", "topk", "getitem", "float", "to", "sum", "truediv", "itruediv", "div", "_to_copy"}
+
+
+def looks_like_moe(cls: type) -> bool:
+    name = cls.__name__.lower()
+    return "expert" in name or "moe" in name
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsPattern | None]]:
+    """(path, module, matching pattern or None) for each experts-like module of `model`."""
+    found = []
+    for path, module in model.named_modules():
+        pattern = next((p for p in EXPERTS_PATTERNS if p.matches(type(module), module)), None)
+        if pattern is not None:
+            found.append((path, module, pattern))
+        elif looks_like_moe(type(module)) and any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            found.append((path, module, None))
+    return found
+
+
+# ---------------------------------------------------------------------------- the pass
+
+
+@register
+class Lift(Pass):
+    """Spell MoE blocks with canonical commfx ops (enabling pass; no paper).
+
+    Recognisers are the EXPERTS_PATTERNS table; unmatched MoE-looking modules are reported.
+    """
+
+    name = "lift"
+    ensures = ("moe lifted",)
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        lift_routers: bool = True
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        regions = _regions(program.graph)
+        blocks, unmatched, candidates = [], [], []
+        for path, (cls, nodes) in regions.items():
+            module = program.module_at(path)
+            pattern = next((p for p in EXPERTS_PATTERNS if p.matches(cls, module)), None)
+            if pattern is not None:
+                blocks.append(_lift_experts(program, path, nodes, pattern, module))
+            elif looks_like_moe(cls) and _uses_3d_weight(nodes):
+                candidates.append((path, cls, nodes))
+        lifted_weights = {b[key] for b in blocks for key in ("gate_up", "down")}
+        for path, cls, nodes in candidates:
+            if any(n.op == "get_attr" and n.target not in lifted_weights and _is_3d(n) for n in nodes):
+                unmatched.append(f"{path} ({cls.__name__})")
+        kept_routers = []
+        if options.lift_routers:
+            for block in blocks:
+                if not _lift_router(program, block):
+                    kept_routers.append(block["router"] or block["path"])
+        if unmatched:
+            warnings.warn(
+                "lift: these modules look like MoE experts but no recogniser matches them, so they stay "
+                f"unlifted (and are not expert-parallel): {', '.join(unmatched)}. "
+                "Add an entry to commfx.passes.lift.EXPERTS_PATTERNS for their layout.",
+                stacklevel=2,
+            )
+        program.annotations["moe_blocks"] = blocks
+        program.annotations["unmatched_moe"] = unmatched
+        program.annotations["kept_routers"] = kept_routers
+        program.graph.eliminate_dead_code()
+        program.gm.recompile()
+        return bool(blocks)
+
+
+def _regions(graph: fx.Graph) -> dict[str, tuple[type, list[fx.Node]]]:
+    """Every module path -> (its class, the nodes traced inside it, in graph order)."""
+    regions: dict[str, tuple[type, list[fx.Node]]] = {}
+    for node in graph.nodes:
+        for path, cls in module_paths(node):
+            regions.setdefault(path, (cls, []))[1].append(node)
+    return regions
+
+
+def _uses_3d_weight(nodes: list[fx.Node]) -> bool:
+    return any(node.op == "get_attr" and _is_3d(node) for node in nodes)
+
+
+def _is_3d(node: fx.Node) -> bool:
+    value = _value(node)
+    return value is not None and value.dim() == 3
+
+
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _lift_experts(program: Program, path: str, nodes: list[fx.Node], pattern: ExpertsPattern, module) -> dict:
+    graph = program.graph
+    inside = set(nodes)
+    compute = [n for n in nodes if n.op not in ("get_attr", "placeholder")]
+    outputs = [n for n in compute if _value(n) is not None and any(u not in inside for u in n.users)]
+    if len(outputs) != 1:
+        raise PassError(f"lift: experts region {path} has {len(outputs)} outputs ({[o.name for o in outputs]}); expected one")
+    external = []
+    for n in compute:
+        for arg in n.all_input_nodes:
+            if arg not in inside and arg not in external and _value(arg) is not None:
+                external.append(arg)
+    x, indices, weights = _classify_experts_inputs(path, external)
+    gate_up = _param_node(graph, f"{path}.{pattern.gate_up}" if path else pattern.gate_up)
+    down = _param_node(graph, f"{path}.{pattern.down}" if path else pattern.down)
+    num_experts = _value(gate_up).shape[0]
+    activation = pattern.activation(module, compute)
+    with graph.inserting_before(outputs[0]):
+        dispatch = stamp(
+            graph.call_function(commfx.moe_dispatch.default, (x, indices, num_experts, 0.0)), "lift", "lay tokens out by expert"
+        )
+        rows = graph.call_function(operator.getitem, (dispatch, 0))
+        counts = graph.call_function(operator.getitem, (dispatch, 1))
+        slot = graph.call_function(operator.getitem, (dispatch, 2))
+        ffn = stamp(
+            graph.call_function(commfx.expert_ffn.default, (rows, counts, gate_up, down, activation)), "lift", "experts"
+        )
+        combine = stamp(graph.call_function(commfx.moe_combine.default, (ffn, slot, weights)), "lift", "weighted combine")
+    for node in (dispatch, rows, counts, slot, ffn, combine):
+        node.meta["nn_module_stack"] = dict(outputs[0].meta.get("nn_module_stack", {}))
+    outputs[0].replace_all_uses_with(combine)
+    router = _router_path(indices)
+    return {
+        "path": path,
+        "pattern": pattern.name,
+        "num_experts": num_experts,
+        "top_k": _value(indices).shape[1],
+        "gate_up": gate_up.target,
+        "down": down.target,
+        "activation": activation,
+        "dispatch": dispatch.name,
+        "expert_ffn": ffn.name,
+        "combine": combine.name,
+        "router": router,
+    }
+
+
+def _classify_experts_inputs(path: str, external: list[fx.Node]) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Tell hidden states, expert indices and routing weights apart by dtype and shape."""
+    tensors = [n for n in external if n.op != "get_attr"]
+    indices = [n for n in tensors if not _value(n).is_floating_point() and _value(n).dim() == 2]
+    if len(indices) != 1:
+        raise PassError(f"lift: cannot find the top-k expert indices entering {path}")
+    shape = tuple(_value(indices[0]).shape)
+    weights = [n for n in tensors if _value(n).is_floating_point() and tuple(_value(n).shape) == shape]
+    hidden = [n for n in tensors if _value(n).is_floating_point() and n not in weights and _value(n).dim() == 2]
+    if len(weights) != 1 or len(hidden) != 1:
+        raise PassError(f"lift: cannot tell hidden states from routing weights entering {path}")
+    return hidden[0], indices[0], weights[0]
+
+
+def _param_node(graph: fx.Graph, target: str) -> fx.Node:
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target == target:
+            return node
+    raise PassError(f"lift: parameter {target} is not used by the graph")
+
+
+def _router_path(indices: fx.Node) -> str | None:
+    paths = module_paths(indices)
+    return paths[-1][0] if paths else None
+
+
+def _lift_router(program: Program, block: dict) -> bool:
+    """Replace a softmax top-k router region with commfx.topk_router; False if it is another kind."""
+    graph = program.graph
+    path = block["router"]
+    if path is None:
+        return False
+    nodes = [n for n in graph.nodes if any(p == path for p, _ in module_paths(n)) and n.op not in ("get_attr", "placeholder")]
+    topks = [n for n in nodes if getattr(n.target, "__name__", n.target) == "topk"]
+    softmaxes = [n for n in nodes if getattr(n.target, "__name__", n.target) == "softmax"]
+    if len(topks) != 1 or len(softmaxes) != 1:
+        return False
+    topk, softmax = topks[0], softmaxes[0]
+    if _strip_casts(topk.args[0]) is not softmax:
+        return False
+    logits = _strip_casts(softmax.args[0])
+    logits_side = _ancestors_within(logits, set(nodes))
+    for node in nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        if node not in logits_side and name not in ROUTER_OPS:
+            return False
+    inside = set(nodes)
+    outs = [n for n in nodes if _value(n) is not None and any(u not in inside for u in n.users) and n not in logits_side]
+    indices = [n for n in outs if not _value(n).is_floating_point()]
+    weights = [n for n in outs if _value(n).is_floating_point()]
+    if len(indices) != 1 or len(weights) != 1:
+        return False
+    k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
+    values = next(u for u in topk.users if u.args[1] == 0)
+    normalize = weights[0] is not values
+    score_dtype = _value(softmax).dtype
+    with graph.inserting_before(weights[0] if weights[0].prev is not None else indices[0]):
+        router = stamp(
+            graph.call_function(commfx.topk_router.default, (logits, k, normalize, score_dtype)), "lift", "softmax top-k router"
+        )
+        new_weights = graph.call_function(operator.getitem, (router, 0))
+        new_indices = graph.call_function(operator.getitem, (router, 1))
+    for node in (router, new_weights, new_indices):
+        node.meta["nn_module_stack"] = dict(topk.meta.get("nn_module_stack", {}))
+    new_weights.meta["example_value"] = _value(weights[0])
+    new_indices.meta["example_value"] = _value(indices[0])
+    weights[0].replace_all_uses_with(new_weights)
+    indices[0].replace_all_uses_with(new_indices)
+    _move_after_inputs(graph, [router, new_weights, new_indices], logits)
+    return True
+
+
+def _strip_casts(node):
+    while isinstance(node, fx.Node) and getattr(node.target, "__name__", node.target) in ("float", "to", "_to_copy"):
+        node = node.args[0]
+    return node
+
+
+def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen or current not in region:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _move_after_inputs(graph: fx.Graph, new_nodes: list[fx.Node], anchor: fx.Node) -> None:
+    """Place new nodes right after `anchor` so every later use comes after them."""
+    for node in reversed(new_nodes):
+        anchor.append(node)
