@@ -1,0 +1,155 @@
+"""Launch a function on N local ranks, each its own process, all bounded in time.
+
+Every rank is a subprocess (`python -m commfx.runtime.worker`), optionally prefixed (for
+example `ip netns exec NODE` on the emulated cluster). The launcher watches them all: when
+one rank fails, the others get a short grace period to notice (their collectives fail
+once a peer's sockets close) and are then killed; when the deadline passes, all are
+killed. Either way the caller gets an error naming the rank and the end of its log, never
+a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+class LaunchError(RuntimeError):
+    """A rank failed, or the job ran past its time bound."""
+
+
+@dataclass(frozen=True)
+class RankEnvironment:
+    """How to start one rank: an argv prefix and extra environment variables."""
+
+    prefix: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    function: str,
+    world_size: int,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+    grace_s: float = 10.0,
+    rank_environment: Callable[[int], RankEnvironment] | None = None,
+    master_addr: str = "127.0.0.1",
+    stream_rank0: bool = False,
+) -> list[Any]:
+    """Run `function` ("module:name", called as f(rank=, world_size=, **kwargs)) on every rank.
+
+    Returns each rank's return value, in rank order.
+    """
+    with tempfile.TemporaryDirectory(prefix="commfx-job-") as tmp:
+        job = Path(tmp)
+        (job / "job.pkl").write_bytes(
+            pickle.dumps(
+                {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
+            )
+        )
+        port = free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
+        procs = [
+            _start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0)
+            for rank in range(world_size)
+        ]
+        try:
+            _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
+        except BaseException:
+            _kill_all(procs)
+            raise
+        return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
+
+
+def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
+    extra = rank_environment(rank) if rank_environment else RankEnvironment()
+    env = dict(os.environ)
+    src_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(
+        {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+    )
+    env.update(extra.env)
+    log = open(job / f"log_{rank}.txt", "wb")
+    argv = [*extra.prefix, sys.executable, "-m", "commfx.runtime.worker", str(job), str(rank)]
+    return subprocess.Popen(
+        argv, env=env, stdout=None if stream else log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+
+
+def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    first_failure: int | None = None
+    failure_deadline = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and first_failure is None:
+                first_failure = rank
+                failure_deadline = time.monotonic() + grace_s
+        now = time.monotonic()
+        if failure_deadline is not None and now > failure_deadline:
+            _kill_all(procs)
+            break
+        if now > deadline:
+            _kill_all(procs)
+            raise LaunchError(
+                f"the job ran past its time bound of {timeout_s:.0f}s and was stopped; "
+                f"ranks still running: {[r for r, c in enumerate(codes) if c is None]}.\n"
+                + _log_tails(job, len(procs))
+            )
+        time.sleep(0.05)
+    codes = [p.wait() for p in procs]
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if failed:
+        first = first_failure if first_failure is not None else failed[0]
+        raise LaunchError(
+            f"rank {first} failed (exit code {codes[first]}); ranks {failed} did not finish cleanly.\n"
+            + _log_tails(job, len(procs), first=first)
+        )
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _log_tails(job: Path, world_size: int, first: int | None = None, lines: int = 15) -> str:
+    order = ([first] if first is not None else []) + [r for r in range(world_size) if r != first]
+    parts = []
+    for rank in order:
+        error = job / f"error_{rank}.txt"
+        text = error.read_text() if error.exists() else (job / f"log_{rank}.txt").read_text(errors="replace")
+        tail = "\n".join(text.strip().splitlines()[-lines:])
+        if tail:
+            parts.append(f"--- rank {rank} ---\n{tail}")
+        if len(parts) >= 2:
+            break
+    return "\n".join(parts)

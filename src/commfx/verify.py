@@ -1,0 +1,177 @@
+"""Equivalence check: the distributed rewrite against a single-process reference, in float64.
+
+Every rank runs the rewritten model on its slice of the global batch (split along dim 0,
+unevenly when it does not divide) and backpropagates loss = sum(output * probe), where the
+probe is a fixed random tensor of the global output's shape. The reference runs the
+original model on the whole batch with the same loss (scaled by 1/world under `mean`
+gradient reduction, which is what the runtime's gradient averaging computes). Outputs and
+every gradient must agree to the tolerance.
+
+In capacity mode dropping depends on each rank's own batch, so the reference is the
+single-process capacity graph (lift + capacity dispatch, no communication) applied to each
+rank's slice; dropless mode is checked against the untouched original model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from .models import load_model
+from .plan import Plan
+
+DEFAULT_TOLERANCE = 1e-10
+
+
+@dataclass
+class VerifyCase:
+    model: str
+    plan: Plan
+    batch: int | None = None
+    seq: int | None = None
+    seed: int = 0
+    starve_expert: int | None = None  # force this expert to receive no tokens (built-in router)
+
+    def model_kwargs(self) -> dict:
+        return {k: v for k, v in (("batch", self.batch), ("seq", self.seq)) if v is not None}
+
+
+@dataclass
+class VerifyReport:
+    case: VerifyCase
+    output_diff: float
+    grad_diffs: dict[str, float]
+    replica_diff: float  # largest disagreement between ranks on a replicated gradient
+    tolerance: float
+    tokens_per_rank: list[int] = field(default_factory=list)
+    empty_experts: list[str] = field(default_factory=list)
+
+    @property
+    def max_diff(self) -> float:
+        return max([self.output_diff, self.replica_diff, *self.grad_diffs.values()])
+
+    @property
+    def ok(self) -> bool:
+        return self.max_diff <= self.tolerance
+
+
+def build_case_model(case: VerifyCase):
+    model, inputs = load_model(case.model, seed=case.seed, dtype=torch.float64, **case.model_kwargs())
+    if case.starve_expert is not None:
+        starved = 0
+        for module in model.modules():
+            if hasattr(module, "logit_bias"):
+                module.logit_bias[case.starve_expert] = -1e4
+                starved += 1
+        if not starved:
+            raise ValueError(f"{case.model} has no router logit_bias buffer to starve an expert with")
+    return model, inputs
+
+
+def split_batch(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    return torch.tensor_split(tensor, world_size, dim=0)[rank]
+
+
+def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 12345)
+    return [torch.randn((global_rows, *o.shape[1:]), generator=generator, dtype=o.dtype) for o in outputs]
+
+
+def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[dict]:
+    """Run on every rank by the launcher: one result per case."""
+    from torch.utils import _pytree as pytree
+
+    from .api import distribute
+
+    results = []
+    for case in cases:
+        model, inputs = build_case_model(case)
+        local = tuple(split_batch(t, world_size, rank) for t in inputs)
+        dm = distribute(model, case.plan, local)
+        outputs, _ = pytree.tree_flatten(dm(*local))
+        global_rows = inputs[0].shape[0]
+        loss = sum((o * split_batch(p, world_size, rank)).sum() for o, p in zip(outputs, probes(outputs, global_rows, case.seed)))
+        loss.backward()
+        results.append(
+            {
+                "outputs": [o.detach() for o in outputs],
+                "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+                "placement": dm.placement,
+                "tokens": int(local[0].numel()),
+            }
+        )
+    return results
+
+
+def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs and gradients of the single-process reference (see module docstring)."""
+    from torch.utils import _pytree as pytree
+
+    model, inputs = build_case_model(case)
+    scale = 1.0 / world_size if case.plan.grad_reduction == "mean" else 1.0
+    capacity = case.plan.options_for("expert_parallel").capacity_factor if "expert_parallel" in case.plan.pass_names() else 0.0
+    if capacity <= 0:
+        outputs, _ = pytree.tree_flatten(model(*inputs))
+        loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
+        (loss * scale).backward()
+        return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return _capacity_reference(case, model, inputs, world_size, scale, capacity)
+
+
+def _capacity_reference(case, model, inputs, world_size, scale, capacity):
+    from torch.utils import _pytree as pytree
+
+    from .api import compile_program
+    from .passes.expert_parallel import set_capacity
+    from .plan import PassSpec, Topology
+    from .runtime.comm import install_default, local_scheduler
+
+    single = Plan(Topology(world_size=1), (PassSpec("lift"),))
+    program = compile_program(copy.deepcopy(model), single, tuple(split_batch(t, world_size, 0) for t in inputs))
+    set_capacity(program, capacity)
+    install_default(local_scheduler())
+    pieces = []
+    for rank in range(world_size):
+        local = tuple(split_batch(t, world_size, rank) for t in inputs)
+        pieces.append(list(program.gm(*local)))
+    outputs = [torch.cat([piece[i] for piece in pieces]) for i in range(len(pieces[0]))]
+    loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
+    (loss * scale).backward()
+    grads = {n: p.grad for n, p in program.gm.named_parameters() if p.grad is not None}
+    outputs, _ = pytree.tree_flatten(outputs)
+    return [o.detach() for o in outputs], grads
+
+
+def compare(case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float) -> VerifyReport:
+    ref_outputs, ref_grads = reference(case, world_size)
+    outputs = [torch.cat([r["outputs"][i] for r in rank_results]) for i in range(len(ref_outputs))]
+    output_diff = max((o - r).abs().max().item() for o, r in zip(outputs, ref_outputs))
+    ep = case.plan.topology.expert_parallel_size
+    grad_diffs, replica_diff = {}, 0.0
+    for name, ref in ref_grads.items():
+        if name in rank_results[0]["placement"]:
+            full = torch.cat([rank_results[r]["grads"][name] for r in range(ep)])
+            replicas = [torch.cat([rank_results[b + r]["grads"][name] for r in range(ep)]) for b in range(0, world_size, ep)]
+        else:
+            full = rank_results[0]["grads"][name]
+            replicas = [r["grads"][name] for r in rank_results]
+        grad_diffs[name] = (full - ref).abs().max().item()
+        replica_diff = max([replica_diff] + [(x - full).abs().max().item() for x in replicas])
+    missing = set(rank_results[0]["grads"]) ^ set(ref_grads)
+    if missing:
+        raise AssertionError(f"gradients present on one side only: {sorted(missing)}")
+    return VerifyReport(case, output_diff, grad_diffs, replica_diff, tolerance, [r["tokens"] for r in rank_results])
+
+
+def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float = 600.0) -> list[VerifyReport]:
+    """Launch `world_size` local gloo ranks, run every case, compare with the reference."""
+    from .runtime.launcher import launch
+
+    for case in cases:
+        if case.plan.topology.world_size != world_size:
+            raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
+        case.plan.validate(build_case_model(case)[0])
+    results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s)
+    return [compare(case, [r[i] for r in results], world_size, tolerance) for i, case in enumerate(cases)]
