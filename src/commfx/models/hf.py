@@ -1,0 +1,242 @@
+"""Tiny, randomly initialised Hugging Face (transformers v5) MoE causal LMs.
+
+They give the compiler real-world MoE graphs (HF routers, HF ``@use_experts_implementation``
+experts, shared experts, group-limited routing) without any download: only the config classes
+and ``AutoModelForCausalLM.from_config`` are used, so everything runs offline in seconds.
+
+Every model is built with ``experts_implementation="batched_mm"``: expert weights are gathered
+per (token, k) pair and applied with ``bmm``, plain aten ops with no data-dependent shapes, so
+dynamo captures it ``fullgraph`` with a dynamic batch dimension in any dtype. (The eager experts
+loop is data-dependent; ``grouped_mm`` hides its matmuls in an opaque custom op outside bf16.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["HF_FAMILIES", "HFFamily", "HFCausalLMLogits", "build_hf_moe", "hf_config"]
+
+# Shared tiny sizes. Token ids stay inside the vocabulary and no token is a padding index,
+# so every embedding row is trained like any other.
+_TINY: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+    pad_token_id=None,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """How to build a tiny config for one HF ``model_type``.
+
+    ``config`` overrides the shared tiny sizes; it must make every decoder layer an MoE layer and
+    switch off anything random in the forward (router jitter, dropout). ``attn_implementation``
+    is ``"sdpa"`` where the family supports it: one op in the graph, computed in the model dtype
+    (the HF eager path does softmax in float32 and leaves a ``dropout(p=0)`` node in train mode).
+    """
+
+    config: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: str = "sdpa"
+
+
+HF_FAMILIES: dict[str, HFFamily] = {
+    "mixtral": HFFamily(
+        dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None)
+    ),
+    "qwen2_moe": HFFamily(
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    ),
+    "qwen3_moe": HFFamily(
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            head_dim=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    ),
+    "olmoe": HFFamily(dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16)),
+    # 8 experts in 4 groups of 2, tokens may use 2 groups: group-limited routing really prunes.
+    # The router's group score is the sum of the top-2 scores of a group, so groups need >= 2 experts.
+    "deepseek_v3": HFFamily(
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            num_key_value_heads=4,
+        )
+    ),
+    # Same router as deepseek_v3 (sigmoid scores, group-limited), ordinary GQA attention.
+    "glm4_moe": HFFamily(
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            head_dim=8,
+        )
+    ),
+    # Softmax scores, "group_limited_greedy": keep the group with the best expert (2 groups of 4).
+    # A group's score is its best expert, so with top-2 experts only topk_group=1 ever prunes.
+    "deepseek_v2": HFFamily(
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            topk_method="group_limited_greedy",
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            num_key_value_heads=4,
+        )
+    ),
+    # Transposed, interleaved gate/up experts with biases and a clamped custom gate; attention sinks
+    # (no sdpa support in HF, hence eager).
+    "gpt_oss": HFFamily(
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=4,
+            # HF's YaRN defaults, with the pre-YaRN context scaled so factor * it == max positions.
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=2,
+            ),
+        ),
+        attn_implementation="eager",
+    ),
+    # Router weight and correction bias kept in float32 by HF; shared experts; MoE from layer 0.
+    "ernie4_5_moe": HFFamily(
+        dict(
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=16,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=0,
+            moe_layer_interval=1,
+        )
+    ),
+    # MoE lives at `block_sparse_moe` with its router at `.router`.
+    "granitemoe": HFFamily(dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def _unknown(model_type: str) -> ValueError:
+    return ValueError(
+        f"unknown HF MoE model_type {model_type!r}; supported: {', '.join(sorted(HF_FAMILIES))}. "
+        "To add one, put an HFFamily(config overrides) entry in commfx.models.hf.HF_FAMILIES "
+        "(tiny sizes, every layer MoE, no router jitter) and check that it captures fullgraph."
+    )
+
+
+def hf_config(model_type: str):
+    """The tiny transformers config for ``model_type`` (attention/experts implementations unset)."""
+    from transformers import AutoConfig
+
+    if model_type not in HF_FAMILIES:
+        raise _unknown(model_type)
+    return AutoConfig.for_model(model_type, **{**_TINY, **HF_FAMILIES[model_type].config})
+
+
+class HFCausalLMLogits(torch.nn.Module):
+    """Wraps an HF ``*ForCausalLM`` so ``forward(input_ids)`` returns only the logits tensor.
+
+    A plain tensor-in/tensor-out module is what graph capture and rewrites want; no KV cache
+    (``use_cache=False``), no loss, no ``ModelOutput``.
+    """
+
+    def __init__(self, hf_model: torch.nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        """The decoder layers (``self.hf.model.layers``)."""
+        return self.hf.model.layers
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, use_cache=False).logits
+
+
+def build_hf_moe(
+    model_type: str,
+    *,
+    seed: int = 0,
+    batch: int = 4,
+    seq: int = 8,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Build a tiny random HF MoE causal LM and a global batch of token ids for it.
+
+    Weights are drawn in float32 from ``seed`` (the global RNG state is left untouched) and then
+    converted to ``dtype``, so the float64 model holds exactly the float32 model's weights.
+    The model is in train mode; with dropout and router jitter off its forward is deterministic.
+    Returns ``(HFCausalLMLogits, (input_ids,))`` with ``input_ids`` of shape ``[batch, seq]``.
+    """
+    if model_type not in HF_FAMILIES:
+        raise _unknown(model_type)
+    from transformers import AutoModelForCausalLM
+
+    family = HF_FAMILIES[model_type]
+    config = hf_config(model_type)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf_model = AutoModelForCausalLM.from_config(
+            config,
+            attn_implementation=family.attn_implementation,
+            experts_implementation="batched_mm",
+            dtype=torch.float32,
+        )
+    hf_model.to(dtype)
+    hf_model.config.dtype = dtype
+    model = HFCausalLMLogits(hf_model).train()
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    return model, (input_ids,)

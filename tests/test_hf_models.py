@@ -1,0 +1,138 @@
+"""Tiny HF MoE models: they build offline, are seeded, convert to float64, and capture fullgraph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commfx.models.hf import HF_FAMILIES, HFCausalLMLogits, build_hf_moe
+
+FAMILIES = sorted(HF_FAMILIES)
+REQUIRED = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"}
+
+
+def _experts_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    # `use_experts_implementation` stamps these flags on every HF experts module.
+    return [m for m in layer.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+def _capture(model: torch.nn.Module, ids: torch.Tensor):
+    """The project's capture recipe: dynamo, fullgraph, dynamic batch dim."""
+    torch._dynamo.reset()
+    ids = ids.clone()
+    torch._dynamo.mark_dynamic(ids, 0)
+    seen = {}
+
+    def record(gm, example_inputs):
+        seen["gm"], seen["example_inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    out = torch.compile(model, backend=record, fullgraph=True)(ids)
+    return out, ids, seen
+
+
+def test_required_families_present():
+    assert REQUIRED <= set(HF_FAMILIES)
+    deepseek = HF_FAMILIES["deepseek_v3"].config
+    assert 1 < deepseek["topk_group"] < deepseek["n_group"], "deepseek_v3 must route group-limited"
+
+
+def test_unknown_family_raises_with_supported_names():
+    with pytest.raises(ValueError, match="supported: .*mixtral") as info:
+        build_hf_moe("no_such_moe")
+    assert "HF_FAMILIES" in str(info.value)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_builds_tiny_all_moe_batched_mm(model_type):
+    model, (ids,) = build_hf_moe(model_type, batch=3, seq=5)
+    config = model.hf.config
+    assert isinstance(model, HFCausalLMLogits) and model.training
+    assert config._experts_implementation == "batched_mm"
+    assert config._attn_implementation == HF_FAMILIES[model_type].attn_implementation
+    assert ids.shape == (3, 5) and ids.dtype == torch.int64
+    assert 0 <= int(ids.min()) and int(ids.max()) < config.vocab_size == 64
+    assert config.hidden_size == 32 and len(model.layers) == 2
+    for layer in model.layers:  # every decoder layer is an MoE layer
+        (experts,) = _experts_modules(layer)
+        assert experts.num_experts in (4, 8)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    logits = model(ids)
+    assert logits.shape == (3, 5, 64) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_seeded_and_deterministic(model_type):
+    rng_before = torch.get_rng_state()
+    model_a, (ids_a,) = build_hf_moe(model_type, seed=0)
+    model_b, (ids_b,) = build_hf_moe(model_type, seed=0)
+    model_c, (ids_c,) = build_hf_moe(model_type, seed=1)
+    assert torch.equal(torch.get_rng_state(), rng_before), "building must not consume the global RNG"
+
+    state_a, state_b, state_c = model_a.state_dict(), model_b.state_dict(), model_c.state_dict()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert any(not torch.equal(state_a[k], state_c[k]) for k in state_a)
+    assert torch.equal(ids_a, ids_b) and not torch.equal(ids_a, ids_c)
+    # Train mode, yet no randomness in the forward (no jitter, dropout 0).
+    assert torch.equal(model_a(ids_a), model_a(ids_a))
+    assert torch.equal(model_a(ids_a), model_b(ids_a))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_float64_is_the_float32_model_upcast(model_type):
+    model32, (ids32,) = build_hf_moe(model_type)
+    model64, (ids64,) = build_hf_moe(model_type, dtype=torch.float64)
+    assert torch.equal(ids32, ids64)
+    state32 = model32.state_dict()
+    for name, tensor in model64.state_dict().items():
+        if tensor.is_floating_point():
+            assert tensor.dtype == torch.float64, name
+            assert torch.equal(tensor, state32[name].double()), name
+    logits = model64(ids64)
+    assert logits.dtype == torch.float64 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_captures_fullgraph_with_dynamic_batch(model_type):
+    model, (ids,) = build_hf_moe(model_type, dtype=torch.float64)
+    out, marked_ids, seen = _capture(model, ids)
+    assert torch.equal(out, model(ids))
+
+    gm, example_inputs = seen["gm"], seen["example_inputs"]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    symints = [n for n in placeholders if isinstance(n.meta.get("example_value"), torch.SymInt)]
+    assert len(symints) == 1, "exactly the batch size should be symbolic"
+    assert sum(a is marked_ids for a in example_inputs) == 1
+    for batch in (3, 5):
+        new_ids = torch.randint(0, 64, (batch, ids.shape[1]), generator=torch.Generator().manual_seed(batch))
+        args = [
+            batch if isinstance(a, (int, torch.SymInt)) else new_ids if a is marked_ids else a
+            for a in example_inputs
+        ]
+        result = gm(*args)
+        result = result[0] if isinstance(result, (tuple, list)) else result
+        assert result.shape == (batch, ids.shape[1], 64)
+        torch.testing.assert_close(result, model(new_ids), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "model_type", [name for name in FAMILIES if "n_group" in HF_FAMILIES[name].config]
+)
+def test_group_limited_routing_prunes(model_type):
+    """The group limit must change some token's experts, or the tiny config would not exercise it."""
+    model, (ids,) = build_hf_moe(model_type, dtype=torch.float64)
+    router = model.layers[0].mlp.gate
+    assert 1 < router.num_group and router.topk_group < router.num_group
+    inputs = []
+    handle = router.register_forward_hook(lambda module, args, output: inputs.append(args[0]))
+    try:
+        model(ids)
+    finally:
+        handle.remove()
+    grouped = router(inputs[0])[2].sort(-1).values
+    router.topk_group = router.num_group  # every group allowed: plain top-k
+    try:
+        ungrouped = router(inputs[0])[2].sort(-1).values
+    finally:
+        router.topk_group = HF_FAMILIES[model_type].config["topk_group"]
+    assert (grouped != ungrouped).any(-1).sum() > 0
