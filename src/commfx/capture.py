@@ -100,6 +100,11 @@ def _to_fx_convention(gm: fx.GraphModule, example: list, model: torch.nn.Module,
         node.replace_all_uses_with(size)
         graph.erase_node(node)
     graph.lint()
+    # No longer dynamo's calling convention: drop the metadata that would make
+    # aot_autograd treat it as a dynamo graph (parameters are attributes now).
+    gm.meta.pop("dynamo_compile_id", None)
+    if hasattr(gm, "_param_name_to_source"):
+        del gm._param_name_to_source
     gm.recompile()
 
 

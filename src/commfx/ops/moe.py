@@ -21,7 +21,21 @@ import torch.nn.functional as F
 
 from ..kernels import grouped_mm, grouped_mm_weight_grad
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def _silu_grad(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+def _gelu_grad(x: torch.Tensor) -> torch.Tensor:
+    cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+    return cdf + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+# Derivatives written out: custom-op bodies run below autograd, so no autograd.grad there.
+ACTIVATION_GRADS = {"silu": _silu_grad, "gelu": _gelu_grad, "relu": lambda x: (x > 0).to(x.dtype)}
 
 
 # ---------------------------------------------------------------------------- router
@@ -53,16 +67,18 @@ def _topk_router_setup(ctx, inputs, output):
 
 
 def _topk_router_backward(ctx, grad_weights, grad_indices):
+    # The same op sequence autograd runs for softmax -> topk -> (v / v.sum()), so the
+    # gradient is bit-identical to the unlifted router even when it runs in float32.
     logits, indices = ctx.saved_tensors
     probs = torch.softmax(logits.to(ctx.score_dtype), dim=-1)
     picked = probs.gather(-1, indices)
     grad_picked = grad_weights
     if ctx.normalize:
         total = picked.sum(-1, keepdim=True)
-        weights = picked / total
-        grad_picked = (grad_weights - (grad_weights * weights).sum(-1, keepdim=True)) / total
+        grad_total = (-grad_weights * ((picked / total) / total)).sum(-1, keepdim=True)
+        grad_picked = grad_weights / total + grad_total
     grad_probs = torch.zeros_like(probs).scatter_(-1, indices, grad_picked)
-    grad_logits = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+    grad_logits = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
     return grad_logits.to(logits.dtype), None, None, None
 
 
@@ -186,6 +202,15 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, grad_out):
     rows, slot, weights = ctx.saved_tensors
+    grad_rows, grad_weights = moe_combine_backward(grad_out, rows, slot, weights)
+    return grad_rows, None, grad_weights
+
+
+@torch.library.custom_op("commfx::moe_combine_backward", mutates_args=())
+def moe_combine_backward(
+    grad_out: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of moe_combine with respect to its rows and its routing weights."""
     n, k = weights.shape
     grad_assign = (grad_out.unsqueeze(1) * weights.to(rows.dtype).unsqueeze(-1)).reshape(n * k, -1)
     kept = slot >= 0
@@ -193,7 +218,12 @@ def _combine_backward(ctx, grad_out):
     grad_rows[slot[kept]] = grad_assign[kept]
     picked = _gather_assignments(rows, slot).view(n, k, -1)
     grad_weights = (picked * grad_out.unsqueeze(1)).sum(-1).to(weights.dtype)
-    return grad_rows, None, grad_weights
+    return grad_rows, grad_weights
+
+
+@moe_combine_backward.register_fake
+def _(grad_out, rows, slot, weights):
+    return torch.empty_like(rows), torch.empty_like(weights)
 
 
 moe_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -229,19 +259,30 @@ def _expert_ffn_setup(ctx, inputs, output):
 
 def _expert_ffn_backward(ctx, grad_out):
     x, counts, gate_up, down = ctx.saved_tensors
+    grad_x, grad_gate_up, grad_down = expert_ffn_backward(grad_out, x, counts, gate_up, down, ctx.activation)
+    return grad_x, None, grad_gate_up, grad_down, None
+
+
+@torch.library.custom_op("commfx::expert_ffn_backward", mutates_args=())
+def expert_ffn_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of expert_ffn for x, gate_up and down (the hidden layer is recomputed)."""
     hidden = grouped_mm(x, gate_up, counts)  # recomputed: cheaper in memory than saving it
     gate, up = hidden.chunk(2, dim=-1)
-    with torch.enable_grad():
-        gate_leaf = gate.detach().requires_grad_(True)
-        activated = ACTIVATIONS[ctx.activation](gate_leaf)
-    inner = activated.detach() * up
-    grad_down = grouped_mm_weight_grad(grad_out, inner, counts)
+    activated = ACTIVATIONS[activation](gate)
+    grad_down = grouped_mm_weight_grad(grad_out, activated * up, counts)
     grad_inner = grouped_mm(grad_out, down, counts, trans_w=False)
-    (grad_gate,) = torch.autograd.grad(activated, gate_leaf, grad_inner * up)
-    grad_hidden = torch.cat([grad_gate, grad_inner * activated.detach()], dim=-1)
+    grad_gate = grad_inner * up * ACTIVATION_GRADS[activation](gate)
+    grad_hidden = torch.cat([grad_gate, grad_inner * activated], dim=-1)
     grad_gate_up = grouped_mm_weight_grad(grad_hidden, x, counts)
     grad_x = grouped_mm(grad_hidden, gate_up, counts, trans_w=False)
-    return grad_x, None, grad_gate_up, grad_down, None
+    return grad_x, grad_gate_up, grad_down
+
+
+@expert_ffn_backward.register_fake
+def _(grad_out, x, counts, gate_up, down, activation):
+    return torch.empty_like(x), torch.empty_like(gate_up), torch.empty_like(down)
 
 
 expert_ffn.register_autograd(_expert_ffn_backward, setup_context=_expert_ffn_setup)

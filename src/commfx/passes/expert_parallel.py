@@ -30,7 +30,7 @@ PASS = "expert_parallel"
 
 @register
 class ExpertParallel(Pass):
-    """Shard experts over ranks; dispatch and combine tokens with uneven all-to-all.
+    """Shard experts over ranks; route tokens with (uneven) all-to-all.
 
     (GShard / Switch-style expert parallelism; the substrate Lina and LocMoE build on.)
     """

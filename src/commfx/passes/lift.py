@@ -106,7 +106,7 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, Experts
 
 @register
 class Lift(Pass):
-    """Spell MoE blocks with canonical commfx ops (enabling pass; no paper).
+    """Spell MoE blocks (router, experts) with canonical commfx ops; enabling pass.
 
     Recognisers are the EXPERTS_PATTERNS table; unmatched MoE-looking modules are reported.
     """

@@ -34,8 +34,11 @@ def main(job_dir: str, rank_text: str) -> int:
         function = getattr(importlib.import_module(module_name), function_name)
         result = function(rank=rank, world_size=world_size, **job["kwargs"])
         (job_path / f"result_{rank}.pkl").write_bytes(pickle.dumps(result))
-        dist.destroy_process_group()
-        return 0
+        dist.barrier()  # nobody leaves while a peer may still talk to it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip gloo teardown: destroying a group whose peers already left can abort the process.
+        os._exit(0)
     except BaseException:
         (job_path / f"error_{rank}.txt").write_text(traceback.format_exc())
         sys.stderr.write(traceback.format_exc())

@@ -1,0 +1,3 @@
+from commfx.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The `commfx` command line."""

@@ -1,0 +1,162 @@
+"""`commfx passes | dump | verify | run`: the command line over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from ..plan import Plan, PlanError
+
+console = Console(highlight=False)
+STAGES = ("lifted", "distributed", "forward", "backward")
+
+
+def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> None:
+    parser.add_argument("model", help="built-in name (gpt-moe, gpt-moe-tiny), hf:<model_type>, or path/to/file.py:function")
+    parser.add_argument(
+        "--passes",
+        default="lift,expert_parallel",
+        help="comma-separated pass list; options as name:key=value;key=value (default: lift,expert_parallel)",
+    )
+    parser.add_argument("--world-size", type=int, default=default_world, help="number of ranks")
+    parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--ranks-per-node", type=int, default=0, help="ranks per node (bytes are split intra/inter node)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _plan(args) -> Plan:
+    return Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, ranks_per_node=args.ranks_per_node)
+
+
+def cmd_passes(args) -> int:
+    from ..passes import REGISTRY
+
+    for name, cls in REGISTRY.items():
+        console.print(f"[bold]{name:<18}[/bold] {cls.summary()}")
+    return 0
+
+
+def cmd_dump(args) -> int:
+    from ..api import compile_program
+    from ..models import load_model
+    from ..render import render
+
+    plan = _plan(args)
+    model, inputs = load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))
+    stop = "lift" if args.stage == "lifted" else None
+    if args.stage == "lifted" and "lift" not in plan.pass_names():
+        raise PlanError("--stage lifted needs lift in --passes")
+    program = compile_program(model, plan, inputs, stop_after=stop)
+    if args.stage in ("forward", "backward"):
+        from ..lower import lower
+
+        lowered = lower(program, inputs)
+        gm = lowered.forward if args.stage == "forward" else lowered.backward
+    else:
+        gm = program.gm
+    text = render(gm, args.format)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        console.print(f"wrote {args.stage} graph ({len(gm.graph.nodes)} nodes) to {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from ..verify import VerifyCase, verify
+
+    plan = _plan(args)
+    case = VerifyCase(args.model, plan, batch=args.batch, seed=args.seed)
+    console.print(
+        f"verifying {args.model} with passes {args.passes} on {args.world_size} gloo ranks against a "
+        f"single-process float64 reference (tolerance {args.tolerance:g}) ..."
+    )
+    start = time.perf_counter()
+    (report,) = verify([case], args.world_size, tolerance=args.tolerance, timeout_s=args.timeout)
+    table = Table(title=f"{args.model}: distributed vs reference (max |difference|)")
+    table.add_column("tensor")
+    table.add_column("max abs diff", justify="right")
+    table.add_row("outputs", f"{report.output_diff:.3e}")
+    for name, diff in sorted(report.grad_diffs.items()):
+        table.add_row(f"grad {name}", f"{diff:.3e}")
+    table.add_row("replicated grads across ranks", f"{report.replica_diff:.3e}")
+    console.print(table)
+    console.print(f"tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)")
+    verdict = "[green]PASS[/green]" if report.ok else "[red]FAIL[/red]"
+    console.print(f"{verdict}: largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g})")
+    return 0 if report.ok else 1
+
+
+def cmd_run(args) -> int:
+    from ..runtime.launcher import launch
+    from ..train import TrainConfig
+
+    plan = _plan(args)
+    from ..models import load_model
+
+    plan.validate(load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))[0])
+    config = TrainConfig(args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump)
+    console.print(f"training {args.model} for {args.steps} steps on {args.world_size} local gloo ranks, passes {args.passes}")
+    start = time.perf_counter()
+    results = launch("commfx.train:train_worker", args.world_size, {"config": config}, timeout_s=args.timeout, stream_rank0=True)
+    history = results[0]["history"]
+    console.print(
+        f"done in {time.perf_counter() - start:.1f}s: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
+        f"parameters per rank {[r['local_params'] for r in results]}"
+    )
+    if args.dump:
+        console.print(f"rewritten graph written to {args.dump}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"history": history, "local_params": [r["local_params"] for r in results]}, f, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="commfx", description="compile and run distributed training communication")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("passes", help="list the registered passes").set_defaults(func=cmd_passes)
+
+    dump = sub.add_parser("dump", help="print a rewritten graph")
+    _plan_args(dump)
+    dump.add_argument("--stage", choices=STAGES, default="distributed")
+    dump.add_argument("--format", choices=("code", "tabular", "dot"), default="code")
+    dump.add_argument("-o", "--output", help="write to this file instead of stdout")
+    dump.set_defaults(func=cmd_dump)
+
+    verify = sub.add_parser("verify", help="check the rewrite against a single-process float64 reference")
+    _plan_args(verify)
+    verify.add_argument("--tolerance", type=float, default=1e-10)
+    verify.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    verify.set_defaults(func=cmd_verify)
+
+    run = sub.add_parser("run", help="train for a few steps on a local world")
+    _plan_args(run, default_world=4)
+    run.add_argument("--steps", type=int, default=5)
+    run.add_argument("--lr", type=float, default=1e-2)
+    run.add_argument("--dump", help="write the rewritten (distributed) graph to this file")
+    run.add_argument("--json", help="write the per-step history to this JSON file")
+    run.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..capture import CaptureError
+    from ..passes import PassError
+    from ..runtime.launcher import LaunchError
+
+    try:
+        return args.func(args)
+    except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}", markup=True)
+        return 2

@@ -1,0 +1,79 @@
+"""A short training run on a local world: what `commfx run` and the demo execute per rank."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+from .models import load_model
+from .plan import Plan
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    plan: Plan
+    steps: int = 5
+    lr: float = 1e-2
+    seed: int = 0
+    batch: int | None = None
+    dump_path: str | None = None
+
+
+def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Next-token cross entropy for a language model (int inputs, [B, S, V] logits); else mean square."""
+    logits = pytree.tree_flatten(outputs)[0][0]
+    ids = inputs[0]
+    if not ids.is_floating_point() and logits.dim() == 3 and ids.dim() == 2:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return logits.float().pow(2).mean()
+
+
+def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
+    from .api import distribute
+    from .render import render
+    from .verify import split_batch
+
+    kwargs = {"batch": config.batch} if config.batch else {}
+    model, inputs = load_model(config.model, seed=config.seed, **kwargs)
+    local = tuple(split_batch(t, world_size, rank) for t in inputs)
+    dm = distribute(model, config.plan, local)
+    if rank == 0 and config.dump_path:
+        with open(config.dump_path, "w") as f:
+            f.write(render(dm.module))
+    optimizer = torch.optim.AdamW(dm.parameters(), lr=config.lr)
+    history = []
+    for step in range(config.steps):
+        start = time.perf_counter()
+        dm.scheduler.stats.reset()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(dm(*local), local)
+        loss.backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - start
+        stats = dm.scheduler.stats
+        gathered = dm.scheduler.all_gather_object(
+            (loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed)
+        )
+        mean_loss = sum(g[0] for g in gathered) / world_size
+        record = {
+            "step": step + 1,
+            "loss": mean_loss,
+            "bytes": sum(g[1] for g in gathered),
+            "inter_node_bytes": sum(g[2] for g in gathered),
+            "seconds": max(g[3] for g in gathered),
+            "by_kind": stats.as_dict(),
+        }
+        history.append(record)
+        if rank == 0:
+            print(
+                f"step {record['step']:>3}/{config.steps}  loss {mean_loss:.4f}  "
+                f"bytes {record['bytes']:>10,}  ({record['inter_node_bytes']:,} inter-node)  {elapsed * 1000:.0f} ms",
+                flush=True,
+            )
+    local_params = sum(p.numel() for p in dm.parameters())
+    return {"history": history, "local_params": local_params, "placement": dm.placement}
