@@ -51,14 +51,33 @@ class CommStats:
         self.inter_node_bytes.clear()
 
 
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One issued collective, enough to replay it with dummy buffers of the same sizes."""
+
+    kind: str
+    group: str
+    send_rows: tuple[int, ...]  # all_to_all: rows per peer; all_reduce: (numel,)
+    recv_rows: tuple[int, ...]
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class CommScheduler:
-    """Issues collectives on named groups and accounts for their bytes."""
+    """Issues collectives on named groups and accounts for their bytes.
+
+    `local_only=True` replaces every collective by a local copy of the same size (the
+    compute-only baseline of `commfx bench`); `records`, when a list, receives a
+    CollectiveRecord per collective (to replay communication alone).
+    """
 
     def __init__(self, topology: Topology, rank: int, groups: dict[str, "GroupHandle"]):
         self.topology = topology
         self.rank = rank
         self.groups = groups
         self.stats = CommStats()
+        self.local_only = False
+        self.records: list[CollectiveRecord] | None = None
 
     def group(self, name: str) -> "GroupHandle":
         try:
@@ -74,7 +93,13 @@ class CommScheduler:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
         row_bytes = _row_bytes(x)
         self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
+        if self.records is not None:
+            self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype))
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        if self.local_only:
+            # Same bytes moved, no network: keep what fits, zeros for the rest.
+            out.zero_()[: min(out.shape[0], x.shape[0])].copy_(x[: out.shape[0]])
+            return out
         if handle.size == 1:
             out.copy_(x)
             return out
@@ -94,6 +119,11 @@ class CommScheduler:
         payload = tensor.numel() * tensor.element_size()
         successor = handle.ranks[(handle.rank + 1) % handle.size]
         self._count(kind, handle, {successor: 2 * (handle.size - 1) * payload // handle.size})
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (tensor.numel(),), (), tensor.dtype))
+        if self.local_only:
+            tensor.copy_(tensor.clone())
+            return tensor
         self._run(kind, group, lambda: dist.all_reduce(tensor, group=handle.pg))
         return tensor
 

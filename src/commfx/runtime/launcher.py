@@ -51,6 +51,7 @@ def launch(
     grace_s: float = 10.0,
     rank_environment: Callable[[int], RankEnvironment] | None = None,
     master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
     stream_rank0: bool = False,
 ) -> list[Any]:
     """Run `function` ("module:name", called as f(rank=, world_size=, **kwargs)) on every rank.
@@ -64,7 +65,7 @@ def launch(
                 {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
             )
         )
-        port = free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
+        port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
         procs = [
             _start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0)
             for rank in range(world_size)
