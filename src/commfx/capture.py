@@ -40,14 +40,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
 
     try:
         output = torch.compile(model, backend=record, fullgraph=True)(*inputs)
-    except torch._dynamo.exc.Unsupported as error:
-        raise CaptureError(_graph_break_message(error)) from None
-    except Exception as error:  # dynamo wraps user errors and constraint violations alike
-        raise CaptureError(
-            f"dynamo could not capture {type(model).__name__}: {type(error).__name__}: {_first_lines(str(error), 12)}\n"
-            "commfx needs the forward to trace as one graph with a symbolic batch dimension (dim 0); "
-            "code that specialises on the batch size (asserts, python branches on x.shape[0]) prevents that."
-        ) from None
+    except Exception as error:  # dynamo raises Unsupported, UserError, constraint violations...
+        raise CaptureError(_graph_break_message(type(model).__name__, error)) from None
     finally:
         torch._dynamo.reset()
     if len(recorded) != 1:
@@ -153,17 +147,21 @@ def _prefer_capturable_hf_experts(model: torch.nn.Module) -> None:
                 pass
 
 
-def _graph_break_message(error: Exception) -> str:
+def _graph_break_message(model_name: str, error: Exception) -> str:
     text = str(error)
-    location = ""
-    match = re.search(r'File "([^"]+)", line (\d+)', text)
-    if match:
-        location = f" at {match.group(1)}:{match.group(2)}"
+    user_frames = [
+        (path, line)
+        for path, line in re.findall(r'File "([^"]+)", line (\d+)', text)
+        if "/torch/" not in path and "/site-packages/" not in path
+    ]
+    user_frames += [(path, line) for path, line in re.findall(r"# (\S+\.py):(\d+) in", text) if "/torch/" not in path]
+    location = f" at {user_frames[-1][0]}:{user_frames[-1][1]}" if user_frames else ""
     return (
-        f"the model has a graph break{location}: {_first_lines(text, 6)}\n"
-        "commfx captures the whole forward as one graph (dynamo fullgraph=True). Fix the line above: "
-        "avoid data-dependent Python control flow (if tensor.item() ...), .tolist()/.item() on tensors, "
-        "and unsupported builtins; for HF MoE models use experts_implementation='batched_mm' or 'grouped_mm'."
+        f"{model_name} has a graph break{location} ({type(error).__name__}): {_first_lines(text, 4)}\n"
+        "commfx captures the whole forward as one graph (dynamo fullgraph=True) with a symbolic batch "
+        "dimension (dim 0). Fix the line above: avoid data-dependent Python control flow (if t.item() ...), "
+        ".tolist()/.item() on tensors, branches on x.shape[0] and unsupported builtins; for HF MoE models "
+        "use experts_implementation='batched_mm' or 'grouped_mm'."
     )
 
 

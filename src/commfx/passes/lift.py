@@ -147,7 +147,6 @@ class Lift(Pass):
         program.annotations["moe_blocks"] = blocks
         program.annotations["unmatched_moe"] = unmatched
         program.annotations["kept_routers"] = kept_routers
-        program.graph.eliminate_dead_code()
         program.gm.recompile()
         return bool(blocks)
 
@@ -206,6 +205,7 @@ def _lift_experts(program: Program, path: str, nodes: list[fx.Node], pattern: Ex
     for node in (dispatch, rows, counts, slot, ffn, combine):
         node.meta["nn_module_stack"] = dict(outputs[0].meta.get("nn_module_stack", {}))
     outputs[0].replace_all_uses_with(combine)
+    erase_replaced(graph, compute)
     router = _router_path(indices)
     return {
         "path": path,
@@ -276,7 +276,8 @@ def _lift_router(program: Program, block: dict) -> bool:
         return False
     k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
     values = next(u for u in topk.users if u.args[1] == 0)
-    normalize = weights[0] is not values
+    divides = {"truediv", "itruediv", "div"}
+    normalize = any(getattr(n.target, "__name__", str(n.target)) in divides for n in _ancestors_within(weights[0], set(nodes)))
     score_dtype = _value(softmax).dtype
     with graph.inserting_before(weights[0] if weights[0].prev is not None else indices[0]):
         router = stamp(
@@ -288,10 +289,37 @@ def _lift_router(program: Program, block: dict) -> bool:
         node.meta["nn_module_stack"] = dict(topk.meta.get("nn_module_stack", {}))
     new_weights.meta["example_value"] = _value(weights[0])
     new_indices.meta["example_value"] = _value(indices[0])
-    weights[0].replace_all_uses_with(new_weights)
-    indices[0].replace_all_uses_with(new_indices)
     _move_after_inputs(graph, [router, new_weights, new_indices], logits)
+    out_dtype = _value(weights[0]).dtype
+    if out_dtype != score_dtype:
+        with graph.inserting_after(new_weights):
+            cast = graph.call_method("to", (new_weights, out_dtype))
+        cast.meta["example_value"] = _value(weights[0])
+        weights[0].replace_all_uses_with(cast)
+    else:
+        weights[0].replace_all_uses_with(new_weights)
+    indices[0].replace_all_uses_with(new_indices)
+    erase_replaced(graph, [n for n in nodes if n not in logits_side])
     return True
+
+
+def erase_replaced(graph: fx.Graph, region: list[fx.Node]) -> None:
+    """Erase a replaced region's nodes that nothing uses any more.
+
+    Confined to the region on purpose: the graph's generic dead-code elimination treats
+    an in-place method whose result is unused (`mask.scatter_(...)`) as dead, which would
+    silently change code lift leaves verbatim (group-limited routers do exactly this).
+    Inside a replaced region the whole effect is already spelled by the new ops.
+    """
+    alive = [n for n in region if n.op in ("call_function", "call_method")]
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(alive):
+            if not node.users:
+                graph.erase_node(node)
+                alive.remove(node)
+                changed = True
 
 
 def _strip_casts(node):

@@ -1,0 +1,29 @@
+# Two entry points, both self-installing on a fresh machine (see README).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.commfx-installed
+
+.PHONY: demo test install system-deps clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# iproute2 gives `ip`/`tc` for the emulated cluster (network namespaces); needs root.
+system-deps:
+	@command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null) || \
+	    echo "note: iproute2 missing and not root; emulated-cluster tests will say so"; }
+
+demo: install
+	mkdir -p out
+	$(VENV)/bin/commfx run gpt-moe --passes lift,expert_parallel --world-size 4 --steps 5 --dump out/graph.txt --json out/demo.json
+
+test: install system-deps
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,552 @@
+"""`commfx bench`: time a plan (and optionally a baseline plan) on an emulated cluster.
+
+Every rank runs :func:`bench_worker`. One *round* runs, for each plan, three things, each
+started together on all ranks by a barrier and timed on every rank:
+
+* a **training step** (zero_grad, forward, loss, backward with the gradient all-reduce,
+  optimizer step): the wall time;
+* the same step with the scheduler in ``local_only`` mode (every collective becomes a
+  local copy of the same size): the **compute-only** time;
+* the collectives the training step issued, replayed alone in the same order through
+  the same scheduler with dummy buffers of the same sizes: the **communication-only**
+  time.
+
+A step's time is the slowest rank's (the step ends for the cluster when its last rank
+is done). Plans alternate order every round (A B, B A, A B, ...), so slow phases of the
+machine (other processes, thermal, page cache) hit target and baseline alike, and the
+per-round ratio of the two is a paired measurement. Bytes come from the scheduler's
+exact counters during the training step, summed over ranks and split into intra- and
+inter-node by the plan's topology.
+
+The parent side (:func:`run_bench`) makes the cluster, optionally calibrates it,
+launches the ranks with a progress bar, and turns the per-rank samples into a
+:class:`BenchResult`, which renders as rich tables and JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .plan import Plan
+from .runtime.cluster import EmulatedCluster, LinkSpec
+
+# Benchmark-sized configurations of built-in models: big enough that compute and
+# communication both take milliseconds on the emulated cluster (see benchmarks/RESULTS.md).
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt-moe": {
+        "num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_experts": 8, "top_k": 2,
+        "expert_hidden": 256, "vocab_size": 512, "max_seq": 64, "batch": 32, "seq": 64,
+    },
+}
+TIMING_KINDS = ("wall", "compute", "comm")
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """One plan to measure: a label for tables, the --passes text, and the validated plan."""
+
+    label: str
+    passes: str
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a rank needs (pickled to the workers by the launcher)."""
+
+    model: str
+    model_kwargs: dict[str, Any]
+    plans: tuple[PlanSpec, ...]  # [0] is the plan under test, [1] the baseline if any
+    nodes: int
+    ranks_per_node: int
+    steps: int
+    warmup: int
+    lr: float = 1e-3
+    seed: int = 0
+    progress_path: str | None = None
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class _PlanRunner:
+    """One plan's distributed module on this rank, able to run the three timed phases."""
+
+    def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
+        from .api import distribute
+        from .models import load_model
+        from .verify import split_batch
+
+        self.spec = spec
+        model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
+        self.inputs = tuple(split_batch(t, world_size, rank) for t in inputs)
+        self.dm = distribute(model, spec.plan, self.inputs)
+        self.scheduler = self.dm.scheduler
+        self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
+        self.records: list = []
+        self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": []}
+
+    def _train_step(self) -> None:
+        from .runtime.comm import install_default
+        from .train import loss_fn
+
+        # Backward comm ops find the process-default scheduler: make it this plan's.
+        install_default(self.scheduler)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_fn(self.dm(*self.inputs), self.inputs).backward()
+        self.optimizer.step()
+
+    def step(self) -> tuple[float, dict]:
+        """A real training step; records its collectives and exact bytes for this round."""
+        self.scheduler.stats.reset()
+        self.scheduler.records = []
+        self.scheduler.barrier()
+        start = time.perf_counter()
+        self._train_step()
+        elapsed = time.perf_counter() - start
+        self.records, self.scheduler.records = self.scheduler.records, None
+        return elapsed, self.scheduler.stats.as_dict()
+
+    def compute_only(self) -> float:
+        """The same step with every collective replaced by a same-size local copy."""
+        self.scheduler.local_only = True
+        try:
+            self.scheduler.barrier()
+            start = time.perf_counter()
+            self._train_step()
+            return time.perf_counter() - start
+        finally:
+            self.scheduler.local_only = False
+
+    def comm_only(self) -> float:
+        """The collectives of this round's training step, alone, back to back."""
+        buffers = [_dummy_buffer(r) for r in self.records]  # allocated outside the timing
+        self.scheduler.barrier()
+        start = time.perf_counter()
+        for record, buffer in zip(self.records, buffers):
+            if record.kind == "all_to_all":
+                self.scheduler.all_to_all(buffer, list(record.send_rows), list(record.recv_rows), record.group)
+            else:
+                self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
+        return time.perf_counter() - start
+
+    def round(self, keep: bool) -> None:
+        """Run the three phases once; keep the samples unless this is warm-up."""
+        wall, nbytes = self.step()
+        compute = self.compute_only()
+        comm = self.comm_only()
+        if keep:
+            for kind, value in zip(TIMING_KINDS, (wall, compute, comm)):
+                self.samples[kind].append(value)
+            self.samples["bytes"].append(nbytes)
+
+
+def _dummy_buffer(record) -> torch.Tensor:
+    if record.kind == "all_to_all":
+        return torch.zeros((sum(record.send_rows), *record.row_shape), dtype=record.dtype)
+    return torch.zeros(record.send_rows[0], dtype=record.dtype)
+
+
+def _report_progress(path: str | None, done: int, total: int, phase: str) -> None:
+    """Rank 0 tells the parent how far it is (the parent draws the progress bar)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{done} {total} {phase}\n")
+    os.replace(tmp, path)
+
+
+def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
+    """Run on every rank by the launcher: build every plan, then interleaved rounds."""
+    progress = config.progress_path if rank == 0 else None
+    total = config.warmup + config.steps
+    _report_progress(progress, 0, total, "compiling")
+    runners = [_PlanRunner(spec, config, rank, world_size) for spec in config.plans]
+    for index in range(total):
+        phase = "warm-up" if index < config.warmup else "measuring"
+        _report_progress(progress, index, total, phase)
+        order = runners if index % 2 == 0 else runners[::-1]
+        for runner in order:
+            runner.round(keep=index >= config.warmup)
+    _report_progress(progress, total, total, "done")
+    return {runner.spec.label: runner.samples for runner in runners}
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Timing:
+    """Per-step seconds (slowest rank of each step) and their median and spread."""
+
+    samples: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def quantile(self, q: float) -> float:
+        values = sorted(self.samples)
+        if len(values) == 1:
+            return values[0]
+        position = q * (len(values) - 1)
+        low = int(position)
+        high = min(low + 1, len(values) - 1)
+        return values[low] + (values[high] - values[low]) * (position - low)
+
+    def as_dict(self) -> dict:
+        return {
+            "median_s": self.median, "p25_s": self.quantile(0.25), "p75_s": self.quantile(0.75),
+            "min_s": min(self.samples), "max_s": max(self.samples), "samples_s": self.samples,
+        }
+
+
+@dataclass
+class PlanResult:
+    label: str
+    passes: str
+    wall: Timing
+    compute: Timing
+    comm: Timing
+    bytes: dict[str, dict[str, float]]  # kind -> calls / intra_node_bytes / inter_node_bytes, per step, all ranks
+
+    @property
+    def bound(self) -> float:
+        """Perfect-overlap bound: a step can not be faster than its compute or its comm."""
+        return max(self.compute.median, self.comm.median)
+
+    def total(self, key: str) -> float:
+        return sum(entry[key] for entry in self.bytes.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "label": self.label, "passes": self.passes,
+            "wall": self.wall.as_dict(), "compute_only": self.compute.as_dict(), "comm_only": self.comm.as_dict(),
+            "overlap_bound_s": self.bound,
+            "bytes_per_step": self.bytes,
+            "intra_node_bytes_per_step": self.total("intra_node_bytes"),
+            "inter_node_bytes_per_step": self.total("inter_node_bytes"),
+        }
+
+
+@dataclass
+class BenchResult:
+    model: str
+    model_kwargs: dict[str, Any]
+    nodes: int
+    ranks_per_node: int
+    link: str | None
+    emulated: bool
+    cluster: str  # EmulatedCluster.describe()
+    fallback_reason: str
+    steps: int
+    warmup: int
+    plans: list[PlanResult]
+    paired_wall_ratio: Timing | None = None  # per-round plan wall / baseline wall
+    calibration: dict | None = None
+    machine: dict = field(default_factory=dict)
+    date: str = ""
+
+    @property
+    def baseline(self) -> PlanResult | None:
+        return self.plans[1] if len(self.plans) > 1 else None
+
+    def ratios(self) -> dict[str, float] | None:
+        """plan ÷ baseline for every headline number (< 1: the plan needs less)."""
+        if self.baseline is None:
+            return None
+        plan, base = self.plans[0], self.baseline
+        values = {
+            "wall": (plan.wall.median, base.wall.median),
+            "compute_only": (plan.compute.median, base.compute.median),
+            "comm_only": (plan.comm.median, base.comm.median),
+            "overlap_bound": (plan.bound, base.bound),
+            "inter_node_bytes": (plan.total("inter_node_bytes"), base.total("inter_node_bytes")),
+            "intra_node_bytes": (plan.total("intra_node_bytes"), base.total("intra_node_bytes")),
+        }
+        return {k: (a / b if b else float("nan")) for k, (a, b) in values.items()}
+
+    def as_dict(self) -> dict:
+        out = {
+            "model": self.model, "model_kwargs": self.model_kwargs,
+            "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.nodes * self.ranks_per_node,
+            "inter_node_link": self.link, "emulated": self.emulated, "cluster": self.cluster,
+            "fallback_reason": self.fallback_reason, "steps": self.steps, "warmup": self.warmup,
+            "plans": [p.as_dict() for p in self.plans],
+            "ratios_plan_over_baseline": self.ratios(),
+            "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
+            "calibration": self.calibration, "machine": self.machine, "date": self.date,
+        }
+        return out
+
+
+def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: LinkSpec | None) -> BenchResult:
+    """Per-rank samples -> one result: slowest rank per step, bytes summed over ranks."""
+    plans = []
+    for spec in config.plans:
+        per_rank = [samples[spec.label] for samples in rank_samples]
+        timings = {kind: Timing([max(values) for values in zip(*(r[kind] for r in per_rank))]) for kind in TIMING_KINDS}
+        plans.append(PlanResult(spec.label, spec.passes, timings["wall"], timings["compute"], timings["comm"],
+                                _bytes_per_step([r["bytes"] for r in per_rank])))
+    paired = None
+    if len(plans) > 1:
+        paired = Timing([a / b for a, b in zip(plans[0].wall.samples, plans[1].wall.samples)])
+    return BenchResult(
+        model=config.model, model_kwargs=config.model_kwargs, nodes=cluster.nodes,
+        ranks_per_node=cluster.ranks_per_node, link=str(link) if link else None, emulated=cluster.emulated,
+        cluster=cluster.describe(), fallback_reason=cluster.reason, steps=config.steps, warmup=config.warmup,
+        plans=plans, paired_wall_ratio=paired, machine=machine_info(),
+        date=_dt.date.today().isoformat(),
+    )
+
+
+def _bytes_per_step(per_rank_steps: list[list[dict]]) -> dict[str, dict[str, float]]:
+    """Mean over steps of the bytes all ranks sent, per collective kind (exact integers
+    whenever every step sends the same, as in capacity mode)."""
+    steps = len(per_rank_steps[0])
+    totals: dict[str, dict[str, int]] = {}
+    for rank_steps in per_rank_steps:
+        for step in rank_steps:
+            for kind, entry in step.items():
+                slot = totals.setdefault(kind, {"calls": 0, "intra_node_bytes": 0, "inter_node_bytes": 0})
+                for key in slot:
+                    slot[key] += entry[key]
+    return {kind: {key: _exact_mean(value, steps) for key, value in slot.items()} for kind, slot in sorted(totals.items())}
+
+
+def _exact_mean(total: int, count: int) -> float | int:
+    return total // count if total % count == 0 else total / count
+
+
+def machine_info() -> dict:
+    return {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__, "backend": "gloo (CPU)",
+    }
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class _LocalhostCluster(EmulatedCluster):
+    """The cluster's own localhost fallback, chosen on purpose (``--no-emulation``)."""
+
+    def _preflight(self) -> str:
+        return "emulation disabled (--no-emulation)"
+
+
+def make_cluster(nodes: int, ranks_per_node: int, link: LinkSpec | None, *, emulate: bool = True) -> EmulatedCluster:
+    cls = EmulatedCluster if emulate else _LocalhostCluster
+    return cls(nodes, ranks_per_node, link, allow_fallback=True)
+
+
+def calibrate(cluster, link: LinkSpec | None) -> dict:
+    """Measure compute rate and link, and say what FLOPs-per-byte balance the link gives.
+
+    The balance that decides whether communication is exposed is FLOP/s per rank over
+    inter-node bytes/s per rank; GPU clusters sit at ~1e3..1e4 (see
+    :func:`commfx.runtime.calibrate.suggest_rate`). Ranks share this machine's cores, so
+    each gets ``rate / world_size``; the ranks of a node share its link.
+    """
+    from .runtime.calibrate import GPU_FLOPS_PER_BYTE_RANGE, format_rate, measure_compute_rate, measure_link
+
+    machine_flops = measure_compute_rate(seconds=0.5)
+    per_rank_flops = machine_flops / cluster.world_size
+    measured = measure_link(cluster, timeout=60.0)
+    out: dict[str, Any] = {
+        "machine_flops": machine_flops, "per_rank_flops": per_rank_flops, "link": measured,
+        "gpu_flops_per_byte_range": list(GPU_FLOPS_PER_BYTE_RANGE),
+    }
+
+    def balance(node_bits: float) -> float:
+        return per_rank_flops / (node_bits / 8 / cluster.ranks_per_node)
+
+    if link is not None:
+        out["flops_per_byte_at_set_rate"] = balance(link.rate_bits)
+    if measured.get("inter"):
+        out["flops_per_byte_at_measured_rate"] = balance(measured["inter"]["throughput_bits"])
+    out["rate_for_flops_per_byte"] = {
+        f"{target:g}": format_rate(per_rank_flops / target * 8 * cluster.ranks_per_node) for target in (1e3, 3e3, 1e4)
+    }
+    return out
+
+
+def _watch_progress(path: Path, console, stop: threading.Event) -> None:
+    """Draw rank 0's progress (it writes 'done total phase' to `path`) until `stop`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("starting ranks", total=None)
+        while not stop.wait(0.2):
+            try:
+                done, total, phase = path.read_text().split()
+            except (OSError, ValueError):
+                continue
+            progress.update(task, completed=int(done), total=int(total), description=f"rounds ({phase})")
+
+
+def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> list[dict]:
+    """Start one rank per emulated slot (inside its node's namespace) and wait, drawing progress."""
+    from .runtime.launcher import RankEnvironment, launch
+
+    def environment(rank: int) -> RankEnvironment:
+        spec = cluster.rank_launch(rank)
+        return RankEnvironment(prefix=list(spec.prefix), env=dict(spec.env))
+
+    with tempfile.TemporaryDirectory(prefix="commfx-bench-") as tmp:
+        progress_path = Path(tmp) / "progress"
+        config = dataclasses.replace(config, progress_path=str(progress_path))
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_progress, args=(progress_path, console, stop), daemon=True)
+        watcher.start()
+        try:
+            return launch(
+                "commfx.bench:bench_worker", cluster.world_size, {"config": config},
+                timeout_s=timeout_s, collective_timeout_s=min(300.0, timeout_s),
+                rank_environment=environment, master_addr=cluster.master_addr, master_port=cluster.suggest_port(),
+            )
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+
+
+def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0,
+                 model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
+                 lr: float = 1e-3, seed: int = 0) -> BenchConfig:
+    """Validate both plans against the model before any rank starts."""
+    from .models import load_model
+
+    kwargs = {**PRESETS.get(model, {}), **(model_kwargs or {})}
+    world = nodes * ranks_per_node
+    specs = [PlanSpec("plan", passes, Plan.from_cli(passes, world_size=world, ep=ep, ranks_per_node=ranks_per_node))]
+    if vs is not None:
+        specs.append(PlanSpec("baseline", vs, Plan.from_cli(vs, world_size=world, ep=ep, ranks_per_node=ranks_per_node)))
+    model_module, _ = load_model(model, seed=seed, **kwargs)
+    for spec in specs:
+        spec.plan.validate(model_module)
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed)
+
+
+def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = True, calibrate_first: bool = False,
+              console=None, timeout_s: float = 600.0) -> BenchResult:
+    """Make the cluster, calibrate if asked, run the ranks, summarise; the cluster is gone after."""
+    from rich.console import Console
+
+    console = console or Console(highlight=False)
+    with make_cluster(config.nodes, config.ranks_per_node, link, emulate=emulate) as cluster:
+        console.print(f"cluster: {cluster.describe()}")
+        if not cluster.emulated:
+            console.print(f"[yellow]warning:[/yellow] no emulated network ({cluster.reason}); "
+                          "ranks talk over plain localhost, so link rate and latency are NOT applied")
+        calibration = None
+        if calibrate_first:
+            calibration = calibrate(cluster, link)
+            console.print(calibration_table(calibration))
+        samples = launch_ranks(cluster, config, console=console, timeout_s=timeout_s)
+        result = summarise(samples, config, cluster, link)
+    result.calibration = calibration
+    return result
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _spread(t: Timing) -> str:
+    return f"{_ms(t.median)} [{_ms(t.quantile(0.25))}–{_ms(t.quantile(0.75))}]"
+
+
+def _bytes(n: float) -> str:
+    return f"{n:,.0f}" if float(n).is_integer() else f"{n:,.1f}"
+
+
+def timing_table(result: BenchResult):
+    from rich.table import Table
+
+    table = Table(title=f"{result.model}: ms per step, median [p25–p75] over {result.steps} steps (slowest rank)")
+    for name, justify in (("plan", "left"), ("passes", "left"), ("wall", "right"), ("compute-only", "right"),
+                          ("comm-only", "right"), ("max(compute, comm)", "right"), ("wall ÷ bound", "right")):
+        table.add_column(name, justify=justify)
+    for p in result.plans:
+        table.add_row(p.label, p.passes or '"" (data parallel)', _spread(p.wall), _spread(p.compute), _spread(p.comm),
+                      _ms(p.bound), f"{p.wall.median / p.bound:.2f}")
+    ratios = result.ratios()
+    if ratios:
+        table.add_row("plan ÷ baseline", "", f"{ratios['wall']:.2f}", f"{ratios['compute_only']:.2f}",
+                      f"{ratios['comm_only']:.2f}", f"{ratios['overlap_bound']:.2f}", "", style="bold")
+    return table
+
+
+def bytes_table(result: BenchResult):
+    from rich.table import Table
+
+    table = Table(title="bytes per step, all ranks (exact counts from the comm scheduler)")
+    for name, justify in (("plan", "left"), ("collective", "left"), ("calls", "right"),
+                          ("intra-node B", "right"), ("inter-node B", "right")):
+        table.add_column(name, justify=justify)
+    for p in result.plans:
+        for kind, entry in p.bytes.items():
+            table.add_row(p.label, kind, _bytes(entry["calls"]), _bytes(entry["intra_node_bytes"]),
+                          _bytes(entry["inter_node_bytes"]))
+        table.add_row(p.label, "total", "", _bytes(p.total("intra_node_bytes")), _bytes(p.total("inter_node_bytes")),
+                      style="bold")
+    return table
+
+
+def calibration_table(calibration: dict):
+    from rich.table import Table
+
+    table = Table(title="calibration", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("compute (float32 matmul, whole machine)", f"{calibration['machine_flops'] / 1e9:.1f} GFLOP/s")
+    table.add_row("compute per rank (ranks share the cores)", f"{calibration['per_rank_flops'] / 1e9:.2f} GFLOP/s")
+    for where in ("inter", "intra"):
+        probe = calibration["link"].get(where)
+        if probe:
+            table.add_row(f"{where}-node link, ranks {tuple(probe['ranks'])}",
+                          f"{probe['throughput_bits'] / 1e6:,.0f} Mbit/s, rtt {probe['rtt_s'] * 1e3:.2f} ms")
+    lo, hi = calibration["gpu_flops_per_byte_range"]
+    for key, label in (("flops_per_byte_at_set_rate", "FLOPs per inter-node byte at the set rate"),
+                       ("flops_per_byte_at_measured_rate", "FLOPs per inter-node byte at the measured rate")):
+        if key in calibration:
+            table.add_row(label, f"{calibration[key]:,.0f}  (GPU clusters: {lo:g}–{hi:g})")
+    for target, rate in calibration["rate_for_flops_per_byte"].items():
+        table.add_row(f"link rate giving {float(target):g} FLOPs/byte", rate)
+    return table
+
+
+def render(result: BenchResult, console) -> None:
+    """Print the tables and the paired ratio (what the interleaving buys)."""
+    console.print(timing_table(result))
+    console.print(bytes_table(result))
+    if result.paired_wall_ratio is not None:
+        r = result.paired_wall_ratio
+        console.print(
+            f"paired wall ratio plan ÷ baseline (same round, interleaved): median {r.median:.2f}, "
+            f"p25–p75 {r.quantile(0.25):.2f}–{r.quantile(0.75):.2f}, min–max {min(r.samples):.2f}–{max(r.samples):.2f}"
+        )
+    if not result.emulated:
+        console.print(f"[yellow]not emulated:[/yellow] {result.fallback_reason}")
