@@ -11,8 +11,10 @@ started together on all ranks by a barrier and timed on every rank:
   the same scheduler with dummy buffers of the same sizes: the **communication-only**
   time.
 
-A step's time is the slowest rank's (the step ends for the cluster when its last rank
-is done). Plans alternate order every round (A B, B A, A B, ...), so slow phases of the
+Ranks share this machine's monotonic clock, so a step's time is taken across ranks: from
+the moment the last rank starts (a barrier releases ranks up to a one-way latency apart)
+to the moment the last rank is done. Compute-only steps do not wait on each other, so
+theirs is the slowest rank's duration. Plans alternate order every round (A B, B A, A B, ...), so slow phases of the
 machine (other processes, thermal, page cache) hit target and baseline alike, and the
 per-round ratio of the two is a paired measurement. Bytes come from the scheduler's
 exact counters during the training step, summed over ranks and split into intra- and
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from .plan import Plan
 from .runtime.cluster import EmulatedCluster, LinkSpec
@@ -111,39 +114,39 @@ class _PlanRunner:
         loss_fn(self.dm(*self.inputs), self.inputs).backward()
         self.optimizer.step()
 
-    def step(self) -> tuple[float, dict]:
+    def step(self) -> tuple[tuple[float, float], dict]:
         """A real training step; records its collectives and exact bytes for this round."""
         self.scheduler.stats.reset()
         self.scheduler.records = []
         self.scheduler.barrier()
-        start = time.perf_counter()
+        start = time.monotonic()
         self._train_step()
-        elapsed = time.perf_counter() - start
+        span = (start, time.monotonic())
         self.records, self.scheduler.records = self.scheduler.records, None
-        return elapsed, self.scheduler.stats.as_dict()
+        return span, self.scheduler.stats.as_dict()
 
-    def compute_only(self) -> float:
+    def compute_only(self) -> tuple[float, float]:
         """The same step with every collective replaced by a same-size local copy."""
         self.scheduler.local_only = True
         try:
             self.scheduler.barrier()
-            start = time.perf_counter()
+            start = time.monotonic()
             self._train_step()
-            return time.perf_counter() - start
+            return start, time.monotonic()
         finally:
             self.scheduler.local_only = False
 
-    def comm_only(self) -> float:
+    def comm_only(self) -> tuple[float, float]:
         """The collectives of this round's training step, alone, back to back."""
         buffers = [_dummy_buffer(r) for r in self.records]  # allocated outside the timing
         self.scheduler.barrier()
-        start = time.perf_counter()
+        start = time.monotonic()
         for record, buffer in zip(self.records, buffers):
             if record.kind == "all_to_all":
                 self.scheduler.all_to_all(buffer, list(record.send_rows), list(record.recv_rows), record.group)
             else:
                 self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
-        return time.perf_counter() - start
+        return start, time.monotonic()
 
     def round(self, keep: bool) -> None:
         """Run the three phases once; keep the samples unless this is warm-up."""
@@ -193,7 +196,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
 
 @dataclass
 class Timing:
-    """Per-step seconds (slowest rank of each step) and their median and spread."""
+    """Per-step seconds (of the whole cluster) and their median and spread."""
 
     samples: list[float]
 
@@ -301,7 +304,7 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
     plans = []
     for spec in config.plans:
         per_rank = [samples[spec.label] for samples in rank_samples]
-        timings = {kind: Timing([max(values) for values in zip(*(r[kind] for r in per_rank))]) for kind in TIMING_KINDS}
+        timings = {kind: Timing(_cluster_times([r[kind] for r in per_rank], kind)) for kind in TIMING_KINDS}
         plans.append(PlanResult(spec.label, spec.passes, timings["wall"], timings["compute"], timings["comm"],
                                 _bytes_per_step([r["bytes"] for r in per_rank])))
     paired = None
@@ -314,6 +317,17 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
         plans=plans, paired_wall_ratio=paired, machine=machine_info(),
         date=_dt.date.today().isoformat(),
     )
+
+
+def _cluster_times(per_rank_spans: list[list[tuple[float, float]]], kind: str) -> list[float]:
+    """Per step: last start to last end for phases that communicate, else the slowest rank."""
+    times = []
+    for spans in zip(*per_rank_spans):
+        if kind == "compute":
+            times.append(max(end - start for start, end in spans))
+        else:
+            times.append(max(end for _, end in spans) - max(start for start, _ in spans))
+    return times
 
 
 def _bytes_per_step(per_rank_steps: list[list[dict]]) -> dict[str, dict[str, float]]:
@@ -475,26 +489,32 @@ def _ms(seconds: float) -> str:
 
 
 def _spread(t: Timing) -> str:
-    return f"{_ms(t.median)} [{_ms(t.quantile(0.25))}–{_ms(t.quantile(0.75))}]"
+    """Median, and the interquartile range on a second, dim line."""
+    return f"{_ms(t.median)}\n[dim]{_ms(t.quantile(0.25))}–{_ms(t.quantile(0.75))}[/dim]"
 
 
 def _bytes(n: float) -> str:
     return f"{n:,.0f}" if float(n).is_integer() else f"{n:,.1f}"
 
 
+def _passes_text(passes: str) -> str:
+    return escape(passes) if passes else '"" (plain data parallel)'
+
+
 def timing_table(result: BenchResult):
     from rich.table import Table
 
-    table = Table(title=f"{result.model}: ms per step, median [p25–p75] over {result.steps} steps (slowest rank)")
-    for name, justify in (("plan", "left"), ("passes", "left"), ("wall", "right"), ("compute-only", "right"),
-                          ("comm-only", "right"), ("max(compute, comm)", "right"), ("wall ÷ bound", "right")):
-        table.add_column(name, justify=justify)
+    caption = "; ".join(f"{p.label}: {_passes_text(p.passes)}" for p in result.plans)
+    table = Table(title=f"{result.model}: ms per step, median and p25–p75 of {result.steps} steps", caption=caption)
+    table.add_column("plan")
+    for name in ("wall", "compute-only", "comm-only", "max(comp, comm)", "wall ÷ max"):
+        table.add_column(name, justify="right")
     for p in result.plans:
-        table.add_row(p.label, p.passes or '"" (data parallel)', _spread(p.wall), _spread(p.compute), _spread(p.comm),
-                      _ms(p.bound), f"{p.wall.median / p.bound:.2f}")
+        table.add_row(p.label, _spread(p.wall), _spread(p.compute), _spread(p.comm), _ms(p.bound),
+                      f"{p.wall.median / p.bound:.2f}")
     ratios = result.ratios()
     if ratios:
-        table.add_row("plan ÷ baseline", "", f"{ratios['wall']:.2f}", f"{ratios['compute_only']:.2f}",
+        table.add_row("plan ÷ baseline", f"{ratios['wall']:.2f}", f"{ratios['compute_only']:.2f}",
                       f"{ratios['comm_only']:.2f}", f"{ratios['overlap_bound']:.2f}", "", style="bold")
     return table
 
@@ -511,7 +531,7 @@ def bytes_table(result: BenchResult):
             table.add_row(p.label, kind, _bytes(entry["calls"]), _bytes(entry["intra_node_bytes"]),
                           _bytes(entry["inter_node_bytes"]))
         table.add_row(p.label, "total", "", _bytes(p.total("intra_node_bytes")), _bytes(p.total("inter_node_bytes")),
-                      style="bold")
+                      style="bold", end_section=True)
     return table
 
 

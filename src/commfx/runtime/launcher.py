@@ -82,7 +82,8 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
     extra = rank_environment(rank) if rank_environment else RankEnvironment()
     env = dict(os.environ)
     src_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    extra_paths = [src_root, *[p for p in sys.path if p and Path(p).is_dir() and "site-packages" not in p and "lib/python" not in p]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(extra_paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
     env.update(
         {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
     )
@@ -96,16 +97,13 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
 
 def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    first_failure: int | None = None
     failure_deadline = None
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and first_failure is None:
-                first_failure = rank
-                failure_deadline = time.monotonic() + grace_s
+        if failure_deadline is None and any(code not in (None, 0) for code in codes):
+            failure_deadline = time.monotonic() + grace_s
         now = time.monotonic()
         if failure_deadline is not None and now > failure_deadline:
             _kill_all(procs)
@@ -121,11 +119,27 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
     codes = [p.wait() for p in procs]
     failed = [r for r, c in enumerate(codes) if c != 0]
     if failed:
-        first = first_failure if first_failure is not None else failed[0]
+        first = _root_cause(job, failed)
         raise LaunchError(
             f"rank {first} failed (exit code {codes[first]}); ranks {failed} did not finish cleanly.\n"
             + _log_tails(job, len(procs), first=first)
         )
+
+
+def _root_cause(job: Path, failed: list[int]) -> int:
+    """The rank that failed first in cause, not in time: survivors of a dead peer fail too.
+
+    A rank that died without a traceback (killed, crashed, exited) comes first, then one
+    whose error is not a communication failure, then the lowest rank.
+    """
+
+    def rank_key(rank: int) -> tuple[int, int]:
+        error = job / f"error_{rank}.txt"
+        if not error.exists():
+            return (0, rank)
+        return (2 if "CommError" in error.read_text(errors="replace") else 1, rank)
+
+    return min(failed, key=rank_key)
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
