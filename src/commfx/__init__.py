@@ -1,3 +1,7 @@
 """commfx: a torch.fx compiler toolkit for distributed training communication."""
 
+from .api import compile_program, distribute
+from .plan import PassSpec, Plan, PlanError, Topology
+
 __version__ = "0.1.0"
+__all__ = ["PassSpec", "Plan", "PlanError", "Topology", "compile_program", "distribute"]

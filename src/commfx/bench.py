@@ -552,7 +552,9 @@ def calibration_table(calibration: dict):
     for key, label in (("flops_per_byte_at_set_rate", "FLOPs per inter-node byte at the set rate"),
                        ("flops_per_byte_at_measured_rate", "FLOPs per inter-node byte at the measured rate")):
         if key in calibration:
-            table.add_row(label, f"{calibration[key]:,.0f}  (GPU clusters: {lo:g}–{hi:g})")
+            value = calibration[key]
+            verdict = "GPU-like" if lo <= value <= hi else ("comm cheaper than on GPUs" if value < lo else "comm dearer than on GPUs")
+            table.add_row(label, f"{value:,.0f}: {verdict} (GPU clusters {lo:g}–{hi:g})")
     for target, rate in calibration["rate_for_flops_per_byte"].items():
         table.add_row(f"link rate giving {float(target):g} FLOPs/byte", rate)
     return table

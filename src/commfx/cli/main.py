@@ -38,7 +38,7 @@ def cmd_passes(args) -> int:
     from ..passes import REGISTRY
 
     for name, cls in REGISTRY.items():
-        console.print(f"[bold]{name:<18}[/bold] {cls.summary()}")
+        console.print(f"[bold]{name:<18}[/bold] {cls.summary()}", soft_wrap=True)
     return 0
 
 
@@ -158,5 +158,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}", markup=True)
+        console.print(f"[red]error:[/red] {error}", markup=True, soft_wrap=True)
         return 2

@@ -1,0 +1,144 @@
+"""Smoke tests of `commfx bench` (commfx.bench, commfx.cli.bench).
+
+The bench runs in a subprocess (the real command line, bounded in time) on a 2-node x
+1-rank cluster with the tiny model. Bytes are checked against an analytic count: in
+capacity mode every expert receives exactly C rows, so the all-to-all traffic does not
+depend on the routing. The emulated run needs root and iproute2; without them it FAILS
+with a message saying so (set COMMFX_SKIP_NETNS=1 to skip it instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commfx.bench import Timing, _cluster_times
+from commfx.models import load_model
+from commfx.ops.moe import expert_capacity
+from commfx.runtime.cluster import list_run_namespaces
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPACITY = 1.0
+PASSES = f"lift,expert_parallel:capacity_factor={CAPACITY}"
+# Runs `commfx bench` through the subcommand's own add_parser (independent of main.py's wiring).
+DRIVER = (
+    "import argparse, sys\n"
+    "from commfx.cli.bench import add_parser\n"
+    "p = argparse.ArgumentParser(prog='commfx')\n"
+    "add_parser(p.add_subparsers(dest='command', required=True))\n"
+    "a = p.parse_args(sys.argv[1:])\n"
+    "sys.exit(a.func(a))\n"
+)
+
+
+def _netns_problem() -> str:
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if os.geteuid() != 0:
+        return "not root"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "`ip`/`tc` missing: apt-get install -y iproute2"
+    return ""
+
+
+def _bench(tmp_path: Path, *extra: str, timeout: float = 120.0) -> tuple[dict, str, int]:
+    """Run the bench CLI; returns (JSON result, stdout, the bench process id)."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-c", DRIVER, "bench", "gpt-moe-tiny", "--passes", PASSES, "--vs", "",
+            "--nodes", "2", "--ranks-per-node", "1", "--inter-node", "500mbit,1ms",
+            "--steps", "2", "--warmup", "1", "--timeout", str(timeout - 30), "--json", str(out), *extra]
+    env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate(timeout=10)
+        pytest.fail(f"commfx bench ran past {timeout}s:\n{stdout[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:]
+    return json.loads(out.read_text()), stdout, proc.pid
+
+
+def _expected_inter_node_bytes(world: int = 2) -> dict[str, dict[str, int]]:
+    """Bytes all ranks send per step on 2 nodes x 1 rank (every peer is on the other node).
+
+    plan (expert parallel, capacity C): per MoE layer and rank, 4 all-to-alls (dispatch
+    and combine, forward and backward) each send the other rank's E/2 experts C rows of
+    `hidden` floats, plus the count exchange (E/2 int64); the ring all-reduce of the
+    replicated (non-expert) gradients sends 2 (P-1)/P = 1 buffer per rank.
+    baseline (data parallel): the all-reduce of every gradient.
+    """
+    model, (ids,) = load_model("gpt-moe-tiny")
+    cfg = model.config
+    tokens = ids.numel() // world
+    capacity = expert_capacity(tokens, cfg.top_k, cfg.num_experts, CAPACITY)
+    remote_experts = cfg.num_experts // world
+    a2a = cfg.num_layers * world * (4 * remote_experts * capacity * cfg.hidden_size * 4 + remote_experts * 8)
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    all_params = sum(p.numel() for p in model.parameters())
+    return {
+        "plan": {"all_to_all": a2a, "grad_all_reduce": world * 4 * (all_params - expert_params)},
+        "baseline": {"grad_all_reduce": world * 4 * all_params},
+    }
+
+
+def _check_result(result: dict, stdout: str) -> None:
+    assert result["world_size"] == 2 and result["nodes"] == 2 and result["steps"] == 2
+    plans = {p["label"]: p for p in result["plans"]}
+    assert set(plans) == {"plan", "baseline"}
+    for plan in plans.values():
+        for key in ("wall", "compute_only", "comm_only"):
+            timing = plan[key]
+            assert len(timing["samples_s"]) == 2
+            assert 0 < timing["min_s"] <= timing["median_s"] <= timing["max_s"]
+        assert plan["overlap_bound_s"] == max(plan["compute_only"]["median_s"], plan["comm_only"]["median_s"])
+    for label, kinds in _expected_inter_node_bytes().items():
+        measured = plans[label]["bytes_per_step"]
+        assert set(measured) == set(kinds), measured
+        for kind, expected in kinds.items():
+            assert measured[kind]["inter_node_bytes"] == expected, (label, kind, measured[kind])
+            assert measured[kind]["intra_node_bytes"] == 0  # one rank per node
+        assert plans[label]["inter_node_bytes_per_step"] == sum(kinds.values())
+    ratios = result["ratios_plan_over_baseline"]
+    assert set(ratios) >= {"wall", "compute_only", "comm_only", "overlap_bound", "inter_node_bytes"}
+    assert len(result["paired_wall_ratio"]["samples_s"]) == 2
+    for text in ("wall", "compute-only", "comm-only", "max(comp, comm)", "plan ÷ baseline", "inter-node B", "grad_all_reduce"):
+        assert text in stdout, text
+
+
+def test_bench_emulated_cluster(tmp_path):
+    problem = _netns_problem()
+    if problem:
+        if os.environ.get("COMMFX_SKIP_NETNS"):
+            pytest.skip(f"emulated cluster unavailable ({problem})")
+        pytest.fail(f"the emulated bench needs root and iproute2 ({problem}); or set COMMFX_SKIP_NETNS=1 to skip")
+    result, stdout, pid = _bench(tmp_path)
+    assert result["emulated"] is True, result["fallback_reason"]
+    assert result["inter_node_link"] == "500mbit,1ms"
+    _check_result(result, stdout)
+    assert not [n for n in list_run_namespaces() if n.startswith(f"cfx{pid}x")], "namespaces left behind"
+
+
+def test_bench_localhost_fallback_says_so(tmp_path):
+    result, stdout, _ = _bench(tmp_path, "--no-emulation")
+    assert result["emulated"] is False and "no-emulation" in result["fallback_reason"]
+    assert "FALLBACK" in stdout and "NOT applied" in stdout
+    _check_result(result, stdout)  # bytes come from the topology, not the network
+
+
+def test_cluster_times_from_shared_clock():
+    # rank 1 leaves the barrier 1 s late; the step is last start -> last end for
+    # phases that communicate, the slowest rank for compute-only.
+    spans = [[(0.0, 3.0)], [(1.0, 3.5)]]
+    assert _cluster_times(spans, "wall") == [2.5]
+    assert _cluster_times(spans, "compute") == [3.0]
+    timing = Timing([4.0, 1.0, 3.0, 2.0])
+    assert timing.median == 2.5 and timing.quantile(0.25) == 1.75 and timing.quantile(0.75) == 3.25

@@ -1,0 +1,54 @@
+"""Golden graphs: the rendered graph for each built-in model and pipeline stage.
+
+The renderer is the one `commfx dump` uses. Regenerate on purpose and read the diff:
+    COMMFX_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from commfx.api import compile_program
+from commfx.lower import lower
+from commfx.models import BUILTIN_MODELS, load_model
+from commfx.plan import Plan
+from commfx.render import render
+
+GOLDEN = Path(__file__).parent / "golden"
+STAGES = ("lifted", "distributed", "forward", "backward")
+
+
+def rendered(model_name: str) -> dict[str, str]:
+    model, inputs = load_model(model_name)
+    plan = Plan.from_cli("lift,expert_parallel", world_size=4)
+    lifted = compile_program(model, plan, inputs, stop_after="lift")
+    texts = {"lifted": render(lifted.gm)}
+    model, inputs = load_model(model_name)
+    program = compile_program(model, plan, inputs)
+    texts["distributed"] = render(program.gm)
+    lowered = lower(program, inputs)
+    texts["forward"], texts["backward"] = render(lowered.forward), render(lowered.backward)
+    return texts
+
+
+@pytest.mark.parametrize("model_name", sorted(BUILTIN_MODELS))
+def test_golden_graphs(model_name):
+    texts = rendered(model_name)
+    for stage in STAGES:
+        path = GOLDEN / f"{model_name}.ep4.{stage}.txt"
+        if os.environ.get("COMMFX_UPDATE_GOLDEN"):
+            path.write_text(texts[stage])
+        assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
+        assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+
+
+def test_rendering_is_stable_run_to_run():
+    first, second = rendered("gpt-moe-tiny"), rendered("gpt-moe-tiny")
+    assert first == second
+
+
+def test_backward_graph_holds_the_backward_all_to_alls():
+    backward = rendered("gpt-moe-tiny")["backward"]
+    assert backward.count("commfx.all_to_all(") == 2
+    assert "commfx.expert_ffn_backward(" in backward
