@@ -57,3 +57,22 @@ def shard_and_checkpoint(rank: int, world_size: int) -> dict:
         "restored": restored,
         "mismatch_error": mismatch_error,
     }
+
+
+def compiled_with_backend(rank: int, world_size: int, batch: int) -> dict:
+    from commfx.backend import backend
+    from commfx.verify import probes
+
+    model, (ids,) = load_model("gpt-moe", dtype=torch.float64, batch=batch)
+    be = backend(Plan.from_cli("lift,expert_parallel", world_size=world_size))
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    local = split_batch(ids, world_size, rank)
+    out = compiled(local)
+    probe = split_batch(probes([out], ids.shape[0], 0)[0], world_size, rank)
+    (out * probe).sum().backward()
+    backward = be.graphs[0]["backward"]
+    return {
+        "output": out.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "backward_all_to_alls": sum(n.target is torch.ops.commfx.all_to_all.default for n in backward.graph.nodes),
+    }

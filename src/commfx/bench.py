@@ -14,11 +14,13 @@ started together on all ranks by a barrier and timed on every rank:
 Ranks share this machine's monotonic clock, so a step's time is taken across ranks: from
 the moment the last rank starts (a barrier releases ranks up to a one-way latency apart)
 to the moment the last rank is done. Compute-only steps do not wait on each other, so
-theirs is the slowest rank's duration. Plans alternate order every round (A B, B A, A B, ...), so slow phases of the
-machine (other processes, thermal, page cache) hit target and baseline alike, and the
-per-round ratio of the two is a paired measurement. Bytes come from the scheduler's
-exact counters during the training step, summed over ranks and split into intra- and
-inter-node by the plan's topology.
+theirs is the slowest rank's duration.
+
+Plans alternate order every round (A B, B A, A B, ...), so slow phases of the machine
+(other processes, page cache) hit plan and baseline alike, and the per-round ratio of
+the two is a paired measurement. Bytes come from the scheduler's exact counters during
+the training step, summed over ranks and split into intra- and inter-node by the plan's
+topology.
 
 The parent side (:func:`run_bench`) makes the cluster, optionally calibrates it,
 launches the ranks with a progress bar, and turns the per-rank samples into a

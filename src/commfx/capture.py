@@ -53,25 +53,29 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
             f"{sorted({type(leaf).__name__ for leaf in leaves})}. Wrap the model so forward returns tensors."
         )
     gm, example = recorded[0]
-    _to_fx_convention(gm, example, model, inputs)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
+    to_fx_convention(gm, example, names, len(inputs))
     return Program(gm=gm, modules=dict(model.named_modules()), out_spec=out_spec)
 
 
-def _to_fx_convention(gm: fx.GraphModule, example: list, model: torch.nn.Module, inputs: tuple) -> None:
-    """Parameters/buffers become get_attr, SymInt inputs become sym_size of a user input."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
+def to_fx_convention(gm: fx.GraphModule, example: list, names: dict[int, str], num_inputs: int) -> list[int]:
+    """Parameters/buffers become get_attr, SymInt inputs become sym_size of a user input.
+
+    `names` maps id(tensor) to the qualified name of each parameter/buffer among dynamo's
+    example inputs. Returns the positions of the user's tensors among dynamo's inputs.
+    """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example):
         raise CaptureError("internal: dynamo placeholders do not match its example inputs")
-    user_nodes, sym_nodes = [], []
+    user_nodes, sym_nodes, positions = [], [], []
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    for node, value in zip(placeholders, example):
+    for position, (node, value) in enumerate(zip(placeholders, example)):
         if isinstance(value, (torch.SymInt, int)):
             sym_nodes.append(node)
         elif id(value) in names:
-            _copy_attr(gm, model, names[id(value)])
+            _copy_attr(gm, names[id(value)], value)
             with graph.inserting_before(first):
                 attr = graph.get_attr(names[id(value)])
             attr.meta.update(node.meta)
@@ -79,13 +83,14 @@ def _to_fx_convention(gm: fx.GraphModule, example: list, model: torch.nn.Module,
             graph.erase_node(node)
         elif isinstance(value, torch.Tensor) and _is_user_input(node):
             user_nodes.append(node)
+            positions.append(position)
         else:
             raise CaptureError(
                 f"graph input {node.name} is neither a parameter, a buffer nor a model input; "
                 "register tensors the model uses as buffers"
             )
-    if len(user_nodes) != len(inputs):
-        raise CaptureError(f"expected {len(inputs)} tensor inputs in the graph, found {len(user_nodes)}")
+    if len(user_nodes) != num_inputs:
+        raise CaptureError(f"expected {num_inputs} tensor inputs in the graph, found {len(user_nodes)}")
     for node in sym_nodes:
         source = _find_dim(node, user_nodes)
         with graph.inserting_after(user_nodes[-1]):
@@ -100,6 +105,7 @@ def _to_fx_convention(gm: fx.GraphModule, example: list, model: torch.nn.Module,
     if hasattr(gm, "_param_name_to_source"):
         del gm._param_name_to_source
     gm.recompile()
+    return positions
 
 
 def _is_user_input(node: fx.Node) -> bool:
@@ -120,15 +126,16 @@ def _find_dim(sym_node: fx.Node, user_nodes: list[fx.Node]) -> tuple[fx.Node, in
     raise CaptureError(f"cannot tell which input dimension the size {sym_node.name} comes from")
 
 
-def _copy_attr(gm: fx.GraphModule, model: torch.nn.Module, qualified_name: str) -> None:
-    """Make model's parameter/buffer `qualified_name` an attribute of gm (the same tensor)."""
+def _copy_attr(gm: fx.GraphModule, qualified_name: str, value: torch.Tensor) -> None:
+    """Make `value` (a parameter or buffer) the attribute `qualified_name` of gm."""
     owner_path, _, leaf = qualified_name.rpartition(".")
-    value = getattr(model.get_submodule(owner_path) if owner_path else model, leaf)
     owner = gm
     for part in owner_path.split(".") if owner_path else []:
         if not isinstance(getattr(owner, part, None), torch.nn.Module):
             owner.add_module(part, torch.nn.Module())
         owner = getattr(owner, part)
+    if hasattr(owner, leaf):
+        return  # a tied weight seen twice
     if isinstance(value, torch.nn.Parameter):
         owner.register_parameter(leaf, value)
     else:

@@ -58,3 +58,42 @@ def exchange_counts(counts: torch.Tensor, group: str, group_size: int) -> torch.
 @exchange_counts.register_fake
 def _(counts, group, group_size):
     return counts.new_empty((group_size, counts.shape[0] // group_size))
+
+
+@torch.library.custom_op("commfx::local_shard", mutates_args=())
+def local_shard(full: torch.Tensor, group: str, parts: int) -> torch.Tensor:
+    """This rank's block of dim 0 of `full` (block = its rank in `group`), resolved at run time.
+
+    Used where the user owns full-size parameters (the torch.compile backend): the graph
+    stays rank-independent and gradients flow back into the full tensor's rows.
+    """
+    size = full.shape[0] // parts
+    return full.narrow(0, current_scheduler().group(group).rank * size, size).clone()
+
+
+@local_shard.register_fake
+def _(full, group, parts):
+    return full.new_empty((full.shape[0] // parts, *full.shape[1:]))
+
+
+@torch.library.custom_op("commfx::local_shard_backward", mutates_args=())
+def local_shard_backward(grad: torch.Tensor, full_rows: int, group: str) -> torch.Tensor:
+    """Scatter a shard's gradient into zeros shaped like the full tensor."""
+    out = grad.new_zeros((full_rows, *grad.shape[1:]))
+    start = current_scheduler().group(group).rank * grad.shape[0]
+    out[start : start + grad.shape[0]] = grad
+    return out
+
+
+@local_shard_backward.register_fake
+def _(grad, full_rows, group):
+    return grad.new_empty((full_rows, *grad.shape[1:]))
+
+
+def _local_shard_setup(ctx, inputs, output):
+    ctx.full_rows, ctx.group = inputs[0].shape[0], inputs[1]
+
+
+local_shard.register_autograd(
+    lambda ctx, grad: (local_shard_backward(grad, ctx.full_rows, ctx.group), None, None), setup_context=_local_shard_setup
+)

@@ -43,6 +43,9 @@ class ExpertParallel(Pass):
     @dataclasses.dataclass(frozen=True)
     class Options:
         capacity_factor: float = 0.0  # 0: dropless (uneven all-to-all); > 0: fixed capacity per expert
+        # True where the caller owns full-size expert weights (torch.compile backend): the
+        # graph slices this rank's experts at run time instead of the runtime re-allocating them.
+        shard_in_graph: bool = False
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -84,6 +87,9 @@ class ExpertParallel(Pass):
             if block["num_experts"] % ep:
                 raise PassError(f"{block['path']}: {block['num_experts']} experts do not divide over ep={ep}")
             _distribute_block(program.graph, nodes, block, ep, options.capacity_factor)
+            if options.shard_in_graph:
+                _slice_weights_in_graph(program.graph, nodes[block["expert_ffn"]], ep)
+                continue
             for target in (block["gate_up"], block["down"]):
                 shards[target] = {"dim": 0, "group": "ep", "parts": ep, "replicated_over": "edp"}
         program.gm.recompile()
@@ -97,6 +103,16 @@ def set_capacity(program: Program, capacity_factor: float) -> None:
         dispatch = nodes[block["dispatch"]]
         dispatch.args = (*dispatch.args[:3], float(capacity_factor))
     program.gm.recompile()
+
+
+def _slice_weights_in_graph(graph: fx.Graph, ffn: fx.Node, ep: int) -> None:
+    rows, counts, gate_up, down, activation = ffn.args
+    with graph.inserting_before(ffn):
+        local = [
+            stamp(graph.call_function(commfx.local_shard.default, (w, "ep", ep)), PASS, "this rank's experts")
+            for w in (gate_up, down)
+        ]
+    ffn.args = (rows, counts, *local, activation)
 
 
 def _distribute_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int, capacity_factor: float) -> None:

@@ -1,0 +1,131 @@
+"""The torch.compile backend: `torch.compile(model, backend=commfx.backend(plan))`.
+
+Dynamo hands us its graph; we bring it to commfx's convention (capture.to_fx_convention),
+run the plan's passes, lower with aot_autograd into forward and backward graphs, and run
+both through the runtime's graph executor. The user keeps owning full-size parameters
+(torch.compile cannot change a module's parameters), so expert weights are sliced in the
+graph at run time (`commfx.local_shard`) rather than re-allocated: for memory-sharded
+experts use `commfx.distribute`. Gradients are synchronised during backward by the same
+GradientSync as `distribute`: full-size expert weights get their rows only from the rank
+that owns them, so they are summed over the whole world.
+
+The name "commfx" is registered through the `torch_dynamo_backends` entry point; used by
+name it reads the pass list from COMMFX_PASSES (default lift,expert_parallel) and the
+world from the initialised process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.utils import _pytree as pytree
+
+from .capture import to_fx_convention
+from .passes import run_passes
+from .plan import PassSpec, Plan, PlanError
+from .program import Program
+from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
+from .runtime.executor import GraphExecutor
+from .runtime.grad_sync import GradientSync
+
+
+class CommfxBackend:
+    def __init__(self, plan: Plan):
+        self.plan = _shard_in_graph(plan)
+        self.plan.validate()
+        self.programs: list[Program] = []
+        # Per compiled graph: {"forward": gm, "backward": gm}; backward appears at the first backward.
+        self.graphs: list[dict[str, fx.GraphModule]] = []
+        self._scheduler: CommScheduler | None = None
+        self._syncs: list[GradientSync] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        program, positions = _program_from_dynamo(gm, example_inputs)
+        run_passes(program, self.plan)
+        scheduler = self._scheduler_for_world()
+        params = [(n, p) for n, p in program.gm.named_parameters() if p.requires_grad]
+        scale = 1.0 / self.plan.topology.world_size if self.plan.grad_reduction == "mean" else 1.0
+        self._syncs.append(GradientSync(params, {n: "world" for n, _ in params}, scheduler, scale=scale))
+        graphs: dict[str, fx.GraphModule] = {}
+
+        def executor(name: str):
+            def compiler(graph_module: fx.GraphModule, _example):
+                graphs[name] = graph_module
+                return lambda *args: GraphExecutor(graph_module, scheduler).run(*args)
+
+            return compiler
+
+        user_inputs = [example_inputs[i] for i in positions]
+        compiled = aot_module_simplified(program.gm, user_inputs, fw_compiler=executor("forward"), bw_compiler=executor("backward"))
+        self.programs.append(program)
+        self.graphs.append(graphs)
+
+        def run(*args):
+            # dynamo may call with all its graph inputs or with the user's tensors only.
+            return compiled(*(args if len(args) == len(positions) else [args[i] for i in positions]))
+
+        return run
+
+    def _scheduler_for_world(self) -> CommScheduler:
+        if self._scheduler is None:
+            topology = self.plan.topology
+            if dist.is_initialized():
+                if dist.get_world_size() != topology.world_size:
+                    raise PlanError(
+                        f"the plan is for world size {topology.world_size} but the process group has "
+                        f"{dist.get_world_size()} ranks; make them agree"
+                    )
+                rank = dist.get_rank()
+                self._scheduler = CommScheduler(topology, rank, build_groups(topology, rank))
+            elif topology.world_size == 1:
+                self._scheduler = local_scheduler(topology)
+            else:
+                raise PlanError("the commfx backend needs torch.distributed initialised for a world size above 1")
+            install_default(self._scheduler)
+        return self._scheduler
+
+
+def backend(plan: Plan) -> CommfxBackend:
+    """A torch.compile backend that runs `plan` (call once per model; it keeps state)."""
+    return CommfxBackend(plan)
+
+
+def default_backend(gm: fx.GraphModule, example_inputs: list):
+    """The backend registered as "commfx": plan from COMMFX_PASSES and the current world."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = Plan.from_cli(os.environ.get("COMMFX_PASSES", "lift,expert_parallel"), world_size=world)
+    return CommfxBackend(plan)(gm, example_inputs)
+
+
+def _shard_in_graph(plan: Plan) -> Plan:
+    passes = tuple(
+        PassSpec(p.name, {**p.options, "shard_in_graph": True}) if p.name == "expert_parallel" else p for p in plan.passes
+    )
+    return dataclasses.replace(plan, passes=passes)
+
+
+def _program_from_dynamo(gm: fx.GraphModule, example_inputs: list) -> tuple[Program, list[int]]:
+    names = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.nn.Parameter) or (isinstance(value, torch.Tensor) and "_buffers_" in node.name):
+            names[id(value)] = _qualified_name(node.name)
+    num_inputs = sum(
+        1 for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor) and id(v) not in names
+    )
+    positions = to_fx_convention(gm, list(example_inputs), names, num_inputs)
+    out_spec = pytree.tree_flatten(tuple(range(len(list(gm.graph.nodes)[-1].args[0]))))[1]
+    return Program(gm=gm, modules={}, out_spec=out_spec), positions
+
+
+def _qualified_name(placeholder: str) -> str:
+    """dynamo's l_self_modules_layers_modules_0_modules_moe_parameters_w_ -> layers.0.moe.w"""
+    name = re.sub(r"^l_self_", "", placeholder).rstrip("_")
+    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
+    return re.sub(r"_(modules|parameters|buffers)_", ".", name)
