@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..plan import Plan, PlanError
+from .bench import add_parser as add_bench_parser
 
 console = Console(highlight=False)
 STAGES = ("lifted", "distributed", "forward", "backward")
@@ -146,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the per-step history to this JSON file")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     run.set_defaults(func=cmd_run)
+
+    add_bench_parser(sub)
     return parser
 
 

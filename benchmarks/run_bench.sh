@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Reproduce the figures in benchmarks/RESULTS.md (needs root and iproute2 for the emulated
+# cluster; without them `commfx bench` says so and runs on plain localhost).
+# Usage: benchmarks/run_bench.sh [OUTDIR]   (default: a fresh temporary directory)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+COMMFX=${COMMFX:-.venv/bin/commfx}
+OUT=${1:-$(mktemp -d -t commfx-bench-XXXXXX)}
+mkdir -p "$OUT"
+COMMON=(--nodes 2 --ranks-per-node 2 --steps 10 --warmup 2)
+
+echo "# $(date -u +%F) $(nproc) cores; load: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/machine.txt"
+
+# 1. headline: expert parallel vs plain data parallel (the model's eager experts), with calibration
+timeout 900 "$COMMFX" bench gpt-moe --passes lift,expert_parallel --vs "" "${COMMON[@]}" \
+  --inter-node 200mbit,1ms --calibrate --json "$OUT/ep_vs_dp_200mbit.json" | tee "$OUT/ep_vs_dp_200mbit.txt"
+
+# 2. same kernels on both sides: expert parallel vs data parallel over the lifted graph
+for link in 200mbit,1ms 1gbit,1ms; do
+  timeout 600 "$COMMFX" bench gpt-moe --passes lift,expert_parallel --vs lift "${COMMON[@]}" \
+    --inter-node "$link" --json "$OUT/ep_vs_lift_${link%%,*}.json" | tee "$OUT/ep_vs_lift_${link%%,*}.txt"
+done
+echo "results in $OUT"
