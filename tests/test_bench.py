@@ -21,7 +21,7 @@ import pytest
 from commfx.bench import Timing, _cluster_times
 from commfx.models import load_model
 from commfx.ops.moe import expert_capacity
-from commfx.runtime.cluster import list_run_namespaces
+from commfx.runtime.cluster import namespace_problem, list_run_namespaces
 
 pytestmark = pytest.mark.distributed
 
@@ -39,14 +39,6 @@ DRIVER = (
 )
 
 
-def _netns_problem() -> str:
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    if os.geteuid() != 0:
-        return "not root"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "`ip`/`tc` missing: apt-get install -y iproute2"
-    return ""
 
 
 def _bench(tmp_path: Path, *extra: str, timeout: float = 120.0) -> tuple[dict, str, int]:
@@ -115,7 +107,7 @@ def _check_result(result: dict, stdout: str) -> None:
 
 
 def test_bench_emulated_cluster(tmp_path):
-    problem = _netns_problem()
+    problem = namespace_problem()
     if problem:
         if os.environ.get("COMMFX_SKIP_NETNS"):
             pytest.skip(f"emulated cluster unavailable ({problem})")

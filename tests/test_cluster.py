@@ -28,6 +28,7 @@ except ImportError:  # not installed: use the source tree
 from commfx.runtime import calibrate
 from commfx.runtime import cluster as cl
 from commfx.runtime.cluster import (
+    namespace_problem,
     ClusterError,
     ClusterUnavailable,
     EmulatedCluster,
@@ -38,20 +39,12 @@ from commfx.runtime.cluster import (
 CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
 
-def _netns_problem() -> str:
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    if os.geteuid() != 0:
-        return "not root"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "`ip`/`tc` missing: apt-get install -y iproute2"
-    return ""
 
 
 @pytest.fixture
 def netns():
     """Require the real emulation: fail loudly (not skip) when the machine lacks it."""
-    problem = _netns_problem()
+    problem = namespace_problem()
     if problem:
         if os.environ.get("COMMFX_SKIP_NETNS"):
             pytest.skip(f"emulated cluster unavailable ({problem})")

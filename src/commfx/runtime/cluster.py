@@ -339,6 +339,17 @@ def _readline_bounded(stream, timeout: float) -> str:
 # --------------------------------------------------------------------------- cluster
 
 
+def namespace_problem() -> str:
+    """Why this machine cannot make network namespaces ("" when it can)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "not running as root (network namespaces and tc need root)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "`ip`/`tc` not found (install iproute2: apt-get install -y iproute2)"
+    return ""
+
+
 class EmulatedCluster:
     """Context manager: ``nodes`` namespaces of ``ranks_per_node`` ranks joined by ``link``.
 
@@ -490,13 +501,7 @@ class EmulatedCluster:
     # ------------------------------------------------------------------ internals
 
     def _preflight(self) -> str:
-        if not sys.platform.startswith("linux"):
-            return "network namespaces need Linux"
-        if os.geteuid() != 0:
-            return "not running as root (network namespaces and tc need root)"
-        if not shutil.which("ip") or not shutil.which("tc"):
-            return "`ip`/`tc` not found (install iproute2: apt-get install -y iproute2)"
-        return ""
+        return namespace_problem()
 
     def _fall_back(self, why: str) -> None:
         if not self.allow_fallback:
