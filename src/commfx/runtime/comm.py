@@ -122,8 +122,7 @@ class CommScheduler:
         if self.records is not None:
             self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (tensor.numel(),), (), tensor.dtype))
         if self.local_only:
-            tensor.copy_(tensor.clone())
-            return tensor
+            return tensor  # a local "reduction" over one replica leaves the tensor as it is
         self._run(kind, group, lambda: dist.all_reduce(tensor, group=handle.pg))
         return tensor
 
