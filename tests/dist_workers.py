@@ -74,5 +74,58 @@ def compiled_with_backend(rank: int, world_size: int, batch: int) -> dict:
     return {
         "output": out.detach(),
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        "backward_all_to_alls": sum(n.target is torch.ops.commfx.all_to_all.default for n in backward.graph.nodes),
+        # Lowered graphs hold split-phase all-to-alls (start, then wait) made by overlap_collectives.
+        "backward_all_to_alls": sum(n.target is torch.ops.commfx.all_to_all_start.default for n in backward.graph.nodes),
     }
+
+
+def _lina_training(rank: int, world_size: int, steps: int, delays: bool) -> dict:
+    """Train with full Lina (k=4, tiny gradient chunks and buckets so there are many of both)."""
+    import dataclasses
+    import random
+    import time
+
+    from commfx.runtime.executor import GraphExecutor
+    from commfx.train import loss_fn
+
+    model, (ids,) = load_model("gpt-moe", dtype=torch.float64, batch=2 * world_size + 1)
+    plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=4;grad_chunk_bytes=1024", world_size=world_size)
+    plan = dataclasses.replace(plan, grad_bucket_bytes=16 * 1024, collective_timeout_s=60.0)
+    local = split_batch(ids, world_size, rank)
+    dm = distribute(model, plan, (local,))
+    dm.scheduler.dispatcher.history = []
+    optimizer = torch.optim.SGD(dm.parameters(), lr=0.05)
+    rng = random.Random(7919 * (rank + 1))
+    original = GraphExecutor.run_node
+
+    def run_node_with_delays(self, node):
+        if rng.random() < 0.04:  # random per-rank stalls inside forward and backward compute
+            time.sleep(rng.uniform(0.0, 0.004))
+        return original(self, node)
+
+    losses = []
+    GraphExecutor.run_node = run_node_with_delays if delays else original
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(dm(local), (local,))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        GraphExecutor.run_node = original
+    history = dm.scheduler.dispatcher.history
+    high = [p for p in history if p.priority == "a2a"]
+    low = [p for p in history if p.priority == "grad"]
+    # Lina's rule: no gradient chunk went on the wire while an all-to-all was queued or in flight.
+    violations = sum(1 for g in low for a in high if a.t_submit <= g.t_issue < a.t_done)
+    shards = dm.program.annotations.get("shards", {})
+    replicated = {n: p.detach().clone() for n, p in dm.module.named_parameters() if n not in shards}
+    return {"losses": losses, "replicated": replicated, "violations": violations, "high": len(high), "low": len(low)}
+
+
+def lina_stress(rank: int, world_size: int, steps: int) -> dict:
+    """The same training twice in one world: calm, then with random per-rank delays."""
+    calm = _lina_training(rank, world_size, steps, delays=False)
+    stressed = _lina_training(rank, world_size, steps, delays=True)
+    return {"calm": calm, "stressed": stressed}

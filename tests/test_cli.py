@@ -20,7 +20,19 @@ def test_dump_formats(tmp_path, fmt, marker):
 
 def test_dump_backward_stage_shows_backward_all_to_all(capsys):
     assert main(["dump", "gpt-moe-tiny", "--world-size", "2", "--stage", "backward"]) == 0
-    assert "commfx.all_to_all(" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "commfx.all_to_all_start(" in out and "commfx.wait_tensor(" in out
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_dump_shows_chunked_all_to_alls_with_their_priority(stage, capsys):
+    passes = "lift,expert_parallel,partition_a2a:k=4"
+    assert main(["dump", "gpt-moe-tiny", "--world-size", "2", "--stage", stage, "--passes", passes]) == 0
+    starts = [line for line in capsys.readouterr().out.splitlines() if "commfx.all_to_all_start(" in line]
+    suffix = " (bw)" if stage == "backward" else ""
+    for role in ("dispatch", "combine"):
+        for j in range(1, 5):
+            assert any(f"'a2a', 'layers.0.moe.experts {role} {j}/4{suffix}')" in line for line in starts), (role, j)
 
 
 def test_verify_from_the_command_line(capsys):

@@ -19,9 +19,12 @@ GOLDEN = Path(__file__).parent / "golden"
 STAGES = ("lifted", "distributed", "forward", "backward")
 
 
-def rendered(model_name: str) -> dict[str, str]:
+LINA = "lift,expert_parallel,partition_a2a:k=2"
+
+
+def rendered(model_name: str, passes: str = "lift,expert_parallel") -> dict[str, str]:
     model, inputs = load_model(model_name)
-    plan = Plan.from_cli("lift,expert_parallel", world_size=4)
+    plan = Plan.from_cli(passes, world_size=4)
     lifted = compile_program(model, plan, inputs, stop_after="lift")
     texts = {"lifted": render(lifted.gm)}
     model, inputs = load_model(model_name)
@@ -43,6 +46,22 @@ def test_golden_graphs(model_name):
         assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
 
 
+def test_golden_partitioned_graphs():
+    """Lina's partitioned region (k=2): chunked, prioritised all-to-alls in forward and backward."""
+    texts = rendered("gpt-moe-tiny", LINA)
+    for stage in ("distributed", "forward", "backward"):
+        path = GOLDEN / f"gpt-moe-tiny.ep4.lina-k2.{stage}.txt"
+        if os.environ.get("COMMFX_UPDATE_GOLDEN"):
+            path.write_text(texts[stage])
+        assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
+        assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+    for stage in ("forward", "backward"):
+        starts = [line for line in texts[stage].splitlines() if "commfx.all_to_all_start(" in line]
+        assert len(starts) == 4, starts  # dispatch and combine, 2 chunks each, one MoE layer
+        assert all("'a2a'" in line for line in starts)
+        assert texts[stage].count("commfx.wait_tensor(") == 4
+
+
 def test_rendering_is_stable_run_to_run():
     first, second = rendered("gpt-moe-tiny"), rendered("gpt-moe-tiny")
     assert first == second
@@ -50,5 +69,6 @@ def test_rendering_is_stable_run_to_run():
 
 def test_backward_graph_holds_the_backward_all_to_alls():
     backward = rendered("gpt-moe-tiny")["backward"]
-    assert backward.count("commfx.all_to_all(") == 2
+    assert backward.count("commfx.all_to_all_start(") == 2
+    assert backward.count("commfx.wait_tensor(") == 2
     assert "commfx.expert_ffn_backward(" in backward

@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 import torch.distributed as dist
 
-from .capture import capture
+from .capture import capture, tokens_of
 from .passes import run_passes
 from .plan import Plan, PlanError
 from .program import Program
+from .runtime.executor import is_collective
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.module import DistributedModule, shard_parameters
 
 
 def compile_program(
-    model: torch.nn.Module, plan: Plan, example_inputs: tuple[torch.Tensor, ...], *, stop_after: str | None = None
+    model: torch.nn.Module,
+    plan: Plan,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    stop_after: str | None = None,
+    tokens_per_rank: int | None = None,
 ) -> Program:
-    """Validate the plan, capture the model and run the plan's passes (single process)."""
+    """Validate the plan, capture the model and run the plan's passes (single process).
+
+    `tokens_per_rank` overrides what cost models assume (default: the example's tokens);
+    `distribute` passes the world's largest so every rank makes the same choices.
+    """
     plan.validate(model)
     program = capture(model, tuple(example_inputs))
+    if tokens_per_rank is not None:
+        program.annotations["tokens_per_rank"] = tokens_per_rank
     return run_passes(program, plan, stop_after=stop_after)
 
 
@@ -40,8 +54,34 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs: tuple[torch.T
             f"make them agree (--world-size {world})"
         )
     rank = dist.get_rank()
-    program = compile_program(model, plan, example_inputs)
     groups = build_groups(plan.topology, rank)
+    scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
+    # Cost models must choose the same on every rank, however uneven the batches.
+    tokens = max(scheduler.all_gather_object(tokens_of(tuple(example_inputs))))
+    program = compile_program(model, plan, example_inputs, tokens_per_rank=tokens)
+    _check_same_graph(scheduler, program)
     placement = shard_parameters(program, groups["ep"].rank)
-    scheduler = CommScheduler(plan.topology, rank, groups)
     return DistributedModule(program, plan, scheduler, placement)
+
+
+def _check_same_graph(scheduler: CommScheduler, program: Program) -> None:
+    """Every rank must issue the same collectives in the same order, or they mismatch and
+    hang. Graphs may differ in shapes (a batch of 1 specialises), not in this skeleton."""
+    texts = scheduler.all_gather_object(collective_skeleton(program.gm))
+    if len(set(texts)) > 1:
+        other = next(i for i, t in enumerate(texts) if t != texts[0])
+        diff = difflib.unified_diff(texts[0].splitlines(), texts[other].splitlines(), "rank 0", f"rank {other}", lineterm="", n=0)
+        raise PlanError(
+            f"rank 0 and rank {other} rewrote the model into graphs with different collectives, which would "
+            "hang; a pass made a rank-dependent choice. First differences:\n" + "\n".join(list(diff)[:12])
+        )
+
+
+def collective_skeleton(gm: torch.fx.GraphModule) -> str:
+    """The graph's communication ops in order, with their constant arguments."""
+    lines = []
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            constants = [a for a in node.args if isinstance(a, (str, int, float))]
+            lines.append(f"{node.target}{tuple(constants)}")
+    return "\n".join(lines)

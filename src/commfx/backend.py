@@ -23,16 +23,17 @@ import re
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch.utils import _pytree as pytree
 
-from .capture import to_fx_convention
+from .capture import to_fx_convention, tokens_of
+from .lower import compile_training
 from .passes import run_passes
 from .plan import PassSpec, Plan, PlanError
 from .program import Program
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
-from .runtime.executor import GraphExecutor
+from .runtime.executor import BackwardExecutor, GraphExecutor
 from .runtime.grad_sync import GradientSync
+from .runtime.module import make_grad_sync
 
 
 class CommfxBackend:
@@ -47,22 +48,27 @@ class CommfxBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         program, positions = _program_from_dynamo(gm, example_inputs)
-        run_passes(program, self.plan)
         scheduler = self._scheduler_for_world()
-        params = [(n, p) for n, p in program.gm.named_parameters() if p.requires_grad]
-        scale = 1.0 / self.plan.topology.world_size if self.plan.grad_reduction == "mean" else 1.0
-        self._syncs.append(GradientSync(params, {n: "world" for n, _ in params}, scheduler, scale=scale))
+        user_inputs = [example_inputs[i] for i in positions]
+        program.annotations["tokens_per_rank"] = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
+        run_passes(program, self.plan)
+        # The user's parameters are full-size (experts sliced in-graph), so every gradient,
+        # expert rows included, is summed over the world.
+        sync = make_grad_sync(
+            program, self.plan, scheduler, program.gm.named_parameters(remove_duplicate=False), group_of=lambda _: "world"
+        )
+        self._syncs.append(sync)
         graphs: dict[str, fx.GraphModule] = {}
 
-        def executor(name: str):
-            def compiler(graph_module: fx.GraphModule, _example):
-                graphs[name] = graph_module
-                return lambda *args: GraphExecutor(graph_module, scheduler).run(*args)
+        def forward(graph_module: fx.GraphModule):
+            graphs["forward"] = graph_module
+            return lambda *args: GraphExecutor(graph_module, scheduler).run(*args)
 
-            return compiler
+        def backward(graph_module: fx.GraphModule):
+            graphs["backward"] = graph_module
+            return lambda *args: BackwardExecutor(graph_module, scheduler, sync).run(*args)
 
-        user_inputs = [example_inputs[i] for i in positions]
-        compiled = aot_module_simplified(program.gm, user_inputs, fw_compiler=executor("forward"), bw_compiler=executor("backward"))
+        compiled = compile_training(program.gm, user_inputs, forward=forward, backward=backward, fake_inputs=True)
         self.programs.append(program)
         self.graphs.append(graphs)
 
@@ -82,13 +88,23 @@ class CommfxBackend:
                         f"{dist.get_world_size()} ranks; make them agree"
                     )
                 rank = dist.get_rank()
-                self._scheduler = CommScheduler(topology, rank, build_groups(topology, rank))
+                self._scheduler = CommScheduler(topology, rank, build_groups(topology, rank), timeout_s=self.plan.collective_timeout_s)
             elif topology.world_size == 1:
                 self._scheduler = local_scheduler(topology)
             else:
                 raise PlanError("the commfx backend needs torch.distributed initialised for a world size above 1")
             install_default(self._scheduler)
         return self._scheduler
+
+
+def _size_hint(n) -> int:
+    """A concrete value for a possibly symbolic size (dynamo's example inputs)."""
+    return n if isinstance(n, int) else int(n.node.hint)
+
+
+def _world_max(scheduler: CommScheduler, value: int) -> int:
+    """The largest `value` over the world: choices made from it agree on every rank."""
+    return max(scheduler.all_gather_object(value)) if scheduler.group("world").size > 1 else value
 
 
 def backend(plan: Plan) -> CommfxBackend:

@@ -287,6 +287,18 @@ class BenchResult:
         }
         return {k: (a / b if b else float("nan")) for k, (a, b) in values.items()}
 
+    def wall_ratios(self) -> dict[str, dict[str, float]] | None:
+        """Per plan: wall ÷ baseline wall, and wall ÷ the baseline's perfect-overlap bound."""
+        base = self.baseline
+        if base is None:
+            return None
+        return {
+            p.label: {"wall_over_baseline_wall": p.wall.median / base.wall.median,
+                      "wall_over_baseline_bound": p.wall.median / base.bound,
+                      "wall_over_own_bound": p.wall.median / p.bound}
+            for p in self.plans
+        }
+
     def as_dict(self) -> dict:
         out = {
             "model": self.model, "model_kwargs": self.model_kwargs,
@@ -295,6 +307,7 @@ class BenchResult:
             "fallback_reason": self.fallback_reason, "steps": self.steps, "warmup": self.warmup,
             "plans": [p.as_dict() for p in self.plans],
             "ratios_plan_over_baseline": self.ratios(),
+            "wall_over_baseline": self.wall_ratios(),
             "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
             "calibration": self.calibration, "machine": self.machine, "date": self.date,
         }
@@ -445,18 +458,38 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
 
 def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0,
                  model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
-                 lr: float = 1e-3, seed: int = 0) -> BenchConfig:
-    """Validate both plans against the model before any rank starts."""
+                 lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
+                 link: LinkSpec | None = None, flops_per_rank: float | None = None) -> BenchConfig:
+    """Validate every plan against the model before any rank starts.
+
+    Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
+    (label, passes) pairs, all interleaved. The link and compute figures go into each
+    plan's topology, where cost models (partition_a2a k=auto) read them.
+    """
     from .models import load_model
 
     kwargs = {**PRESETS.get(model, {}), **(model_kwargs or {})}
     world = nodes * ranks_per_node
-    specs = [PlanSpec("plan", passes, Plan.from_cli(passes, world_size=world, ep=ep, ranks_per_node=ranks_per_node))]
+    figures: dict[str, float] = {}
+    if link is not None:
+        figures["inter_node_bandwidth"] = link.rate_bits / 8
+        figures["inter_node_latency_s"] = link.latency_s
+    if flops_per_rank:
+        figures["flops_per_s"] = flops_per_rank
+
+    def spec(label: str, text: str) -> PlanSpec:
+        return PlanSpec(label, text, Plan.from_cli(text, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **figures))
+
+    specs = [spec("plan", passes)]
     if vs is not None:
-        specs.append(PlanSpec("baseline", vs, Plan.from_cli(vs, world_size=world, ep=ep, ranks_per_node=ranks_per_node)))
+        specs.append(spec("baseline", vs))
+    specs.extend(spec(label, text) for label, text in (also or []))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"plan labels must be distinct, got {labels} (plan and baseline are taken)")
     model_module, _ = load_model(model, seed=seed, **kwargs)
-    for spec in specs:
-        spec.plan.validate(model_module)
+    for s in specs:
+        s.plan.validate(model_module)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed)
@@ -514,10 +547,14 @@ def timing_table(result: BenchResult):
     for p in result.plans:
         table.add_row(p.label, _spread(p.wall), _spread(p.compute), _spread(p.comm), _ms(p.bound),
                       f"{p.wall.median / p.bound:.2f}")
-    ratios = result.ratios()
-    if ratios:
-        table.add_row("plan ÷ baseline", f"{ratios['wall']:.2f}", f"{ratios['compute_only']:.2f}",
-                      f"{ratios['comm_only']:.2f}", f"{ratios['overlap_bound']:.2f}", "", style="bold")
+    base = result.baseline
+    if base is not None:
+        for p in result.plans:
+            if p is base:
+                continue
+            table.add_row(f"{p.label} ÷ baseline", f"{p.wall.median / base.wall.median:.2f}",
+                          f"{p.compute.median / base.compute.median:.2f}", f"{p.comm.median / base.comm.median:.2f}",
+                          f"{p.bound / base.bound:.2f}", f"{p.wall.median / base.bound:.2f} of baseline's", style="bold")
     return table
 
 

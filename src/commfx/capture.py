@@ -56,7 +56,18 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
     to_fx_convention(gm, example, names, len(inputs))
-    return Program(gm=gm, modules=dict(model.named_modules()), out_spec=out_spec)
+    return Program(
+        gm=gm, modules=dict(model.named_modules()), out_spec=out_spec, annotations={"tokens_per_rank": tokens_of(inputs)}
+    )
+
+
+def tokens_of(inputs: tuple[torch.Tensor, ...]) -> int:
+    """Tokens in a batch, for cost models: every id of an integer input, or every row of
+    a float input's last dimension ([batch, seq, hidden] -> batch * seq)."""
+    first = inputs[0]
+    if first.dtype.is_floating_point and first.dim() > 1:
+        return first.numel() // first.shape[-1]
+    return first.numel()
 
 
 def to_fx_convention(gm: fx.GraphModule, example: list, names: dict[int, str], num_inputs: int) -> list[int]:

@@ -20,13 +20,22 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Topology:
-    """How ranks are laid out. `ep` defaults to the whole world; nodes hold `ranks_per_node`."""
+    """How ranks are laid out. `ep` defaults to the whole world; nodes hold `ranks_per_node`.
+
+    The link and compute figures feed cost models (partition_a2a's k=auto): the
+    inter-node link is per node (its ranks share it); defaults are a 100 Gb/s network and
+    a GPU doing 100 TFLOP/s. `commfx bench` sets them from its emulated link and calibration.
+    """
 
     world_size: int
     ranks_per_node: int = 0  # 0: every rank on one node
     ep: int = 0  # 0: expert parallelism over the whole world
     pp: int = 1
     tp: int = 1
+    inter_node_bandwidth: float = 12.5e9  # bytes/s of one node's link
+    inter_node_latency_s: float = 5e-6
+    intra_node_bandwidth: float = 100e9  # bytes/s between ranks of one node
+    flops_per_s: float = 100e12  # per rank
 
     @property
     def expert_parallel_size(self) -> int:
@@ -107,6 +116,9 @@ class Plan:
     passes: tuple[PassSpec, ...] = ()
     grad_reduction: str = "mean"
     collective_timeout_s: float = 120.0
+    # Gradients are all-reduced in buckets of about this size, each as soon as backward has
+    # produced it (DDP's scheme; DDP's first bucket is 1 MiB).
+    grad_bucket_bytes: int = 1 << 20
 
     @classmethod
     def from_cli(cls, passes: str, world_size: int, **topology: Any) -> "Plan":

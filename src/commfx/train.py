@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from .models import load_model
 from .plan import Plan
+from .runtime.trace import Timeline, rank_trace_path
 
 
 @dataclass
@@ -22,6 +23,7 @@ class TrainConfig:
     seed: int = 0
     batch: int | None = None
     dump_path: str | None = None
+    trace_path: str | None = None  # each rank writes its timeline next to it (see runtime/trace.py)
 
 
 def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -46,6 +48,9 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         with open(config.dump_path, "w") as f:
             f.write(render(dm.module))
     optimizer = torch.optim.AdamW(dm.parameters(), lr=config.lr)
+    if config.trace_path:
+        dm.timeline = Timeline(rank)
+        dm.scheduler.dispatcher.history = []
     history = []
     for step in range(config.steps):
         start = time.perf_counter()
@@ -55,6 +60,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         loss.backward()
         optimizer.step()
         elapsed = time.perf_counter() - start
+        if dm.timeline is not None:
+            dm.timeline.step(step + 1, start, start + elapsed)
         stats = dm.scheduler.stats
         gathered = dm.scheduler.all_gather_object(
             (loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed)
@@ -76,4 +83,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
                 flush=True,
             )
     local_params = sum(p.numel() for p in dm.parameters())
-    return {"history": history, "local_params": local_params, "placement": dm.placement}
+    trace = None
+    if dm.timeline is not None:
+        trace = str(dm.timeline.write(rank_trace_path(config.trace_path, rank), dm.scheduler.dispatcher.history))
+    return {"history": history, "local_params": local_params, "placement": dm.placement, "trace": trace}

@@ -28,6 +28,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--passes", default="lift,expert_parallel", help="the plan under test (default: lift,expert_parallel)")
     parser.add_argument("--vs", metavar="BASELINE_PASSES", default=None,
                         help='baseline plan run in the same invocation, interleaved; "" is plain data parallel')
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL=PASSES",
+                        help="another plan measured in the same interleaved run (repeatable), "
+                             "e.g. --also 'lina=lift,expert_parallel,partition_a2a'")
+    parser.add_argument("--flops-per-rank", type=float, default=None,
+                        help="compute rate the cost models assume (FLOP/s per rank; see --calibrate)")
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
@@ -61,6 +66,13 @@ def _model_kwargs(args) -> dict:
     return kwargs
 
 
+def _labelled(item: str) -> tuple[str, str]:
+    label, eq, passes = item.partition("=")
+    if not eq or not label.strip():
+        raise ValueError(f"--also {item!r} must be LABEL=PASSES, e.g. lina=lift,expert_parallel,partition_a2a")
+    return label.strip(), passes.strip()
+
+
 def _number(text: str):
     for cast in (int, float):
         try:
@@ -81,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     config = build_config(
         args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep,
         model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
+        also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
     )
     vs = f" vs {args.vs!r}" if args.vs is not None else ""
     console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds, "

@@ -104,7 +104,9 @@ def cmd_run(args) -> int:
     from ..models import load_model
 
     plan.validate(load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))[0])
-    config = TrainConfig(args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump)
+    config = TrainConfig(
+        args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace
+    )
     console.print(f"training {args.model} for {args.steps} steps on {args.world_size} local gloo ranks, passes {args.passes}")
     start = time.perf_counter()
     results = launch("commfx.train:train_worker", args.world_size, {"config": config}, timeout_s=args.timeout, stream_rank0=True)
@@ -115,6 +117,11 @@ def cmd_run(args) -> int:
     )
     if args.dump:
         console.print(f"rewritten graph written to {args.dump}")
+    if args.trace:
+        from ..runtime.trace import merge_traces
+
+        merged = merge_traces([r["trace"] for r in results], args.trace)
+        console.print(f"traces: {merged} (all ranks) and {', '.join(r['trace'] for r in results)}; open in https://ui.perfetto.dev")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"history": history, "local_params": [r["local_params"] for r in results]}, f, indent=2)
@@ -145,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=1e-2)
     run.add_argument("--dump", help="write the rewritten (distributed) graph to this file")
     run.add_argument("--json", help="write the per-step history to this JSON file")
+    run.add_argument("--trace", help="write a Chrome/Perfetto timeline here (and one per rank: FILE.rankN.json)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     run.set_defaults(func=cmd_run)
 

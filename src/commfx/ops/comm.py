@@ -14,33 +14,40 @@ from ..runtime.comm import current_scheduler
 
 
 @torch.library.custom_op("commfx::all_to_all", mutates_args=())
-def all_to_all(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: str) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: str, priority: str = "a2a", tag: str = ""
+) -> torch.Tensor:
     """Uneven all-to-all of rows: rank r sends send_counts[r].sum() rows to rank r of `group`.
 
     send_counts/recv_counts are [P, ...] int64 (P = group size); rows are grouped by
-    destination in rank order.
+    destination in rank order. `priority` is the scheduler's class (see
+    runtime/priority.py); `tag` names the collective in traces (e.g. "dispatch 2/4").
     """
-    send = send_counts.reshape(send_counts.shape[0], -1).sum(1).tolist()
-    recv = recv_counts.reshape(recv_counts.shape[0], -1).sum(1).tolist()
-    return current_scheduler().all_to_all(x, send, recv, group)
+    send, recv = _splits(send_counts), _splits(recv_counts)
+    return current_scheduler().all_to_all(x, send, recv, group, priority, tag)
+
+
+def _splits(counts: torch.Tensor) -> list[int]:
+    return counts.reshape(counts.shape[0], -1).sum(1).tolist()
 
 
 @all_to_all.register_fake
-def _(x, send_counts, recv_counts, group):
+def _(x, send_counts, recv_counts, group, priority="a2a", tag=""):
     rows = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((rows, *x.shape[1:]))
 
 
 def _all_to_all_setup(ctx, inputs, output):
-    _, send_counts, recv_counts, group = inputs
+    _, send_counts, recv_counts, group, priority, tag = inputs
     ctx.save_for_backward(send_counts, recv_counts)
-    ctx.group = group
+    ctx.group, ctx.priority, ctx.tag = group, priority, tag
 
 
 def _all_to_all_backward(ctx, grad):
     send_counts, recv_counts = ctx.saved_tensors
     # The adjoint of a permutation across ranks is the reverse exchange.
-    return all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group), None, None, None
+    tag = f"{ctx.tag} (bw)" if ctx.tag else ""
+    return all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group, ctx.priority, tag), None, None, None, None, None
 
 
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
@@ -97,3 +104,26 @@ def _local_shard_setup(ctx, inputs, output):
 local_shard.register_autograd(
     lambda ctx, grad: (local_shard_backward(grad, ctx.full_rows, ctx.group), None, None), setup_context=_local_shard_setup
 )
+
+
+# Split-phase all-to-all, as in torch's functional collectives: `all_to_all_start` queues
+# the exchange and returns its output buffer, `wait_tensor` returns the same buffer once it
+# is filled. They exist only in lowered (post-autograd) graphs, made by
+# `commfx.overlap.overlap_collectives`, so they need no autograd or fake implementation.
+_lib = torch.library.Library("commfx", "FRAGMENT")
+_lib.define(
+    "all_to_all_start(Tensor x, Tensor send_counts, Tensor recv_counts, str group, str priority, str tag) -> Tensor"
+)
+_lib.define("wait_tensor(Tensor(a) t) -> Tensor(a)")
+
+
+def _all_to_all_start(x, send_counts, recv_counts, group, priority, tag):
+    return current_scheduler().start_all_to_all(x, _splits(send_counts), _splits(recv_counts), group, priority, tag)
+
+
+def _wait_tensor(t):
+    return current_scheduler().wait_tensor(t)
+
+
+_lib.impl("all_to_all_start", _all_to_all_start, "CompositeExplicitAutograd")
+_lib.impl("wait_tensor", _wait_tensor, "CompositeExplicitAutograd")

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..plan import Plan, PlanError
 from ..program import Program
+from ..runtime.priority import DEFAULT_CLASS, PRIORITY_CLASSES
 
 
 class PassError(RuntimeError):
@@ -96,12 +97,22 @@ def verify_graph(program: Program, plan: Plan) -> None:
         if target_name in RANK_QUERIES or "get_rank" in str(node.target):
             raise PassError(f"node {node.name} queries the rank inside the graph; rank-dependent values must be runtime inputs")
         if _is_commfx(node, COMM_OPS):
-            group = node.args[-1] if node.target is not torch.ops.commfx.exchange_counts.default else node.args[1]
+            group = node.args[3] if node.target is torch.ops.commfx.all_to_all.default else node.args[1]
             if group not in known_groups:
                 raise PassError(f"node {node.name} uses process group {group!r}, which the plan does not define")
-        if "_c10d_functional" in str(node.target) and "wait_tensor" not in str(node.target):
-            if not any("wait_tensor" in str(user.target) for user in node.users):
-                raise PassError(f"collective {node.name} has no matching wait_tensor")
+            priority = node.args[4] if len(node.args) > 4 else node.kwargs.get("priority", DEFAULT_CLASS)
+            if priority not in PRIORITY_CLASSES:
+                raise PassError(f"node {node.name} uses priority class {priority!r}, which is not registered")
+    verify_waits(graph)
+
+
+def verify_waits(graph: fx.Graph) -> None:
+    """Every split-phase collective (c10d functional or commfx start) has a matching wait."""
+    for node in graph.nodes:
+        target = str(node.target)
+        started = ("_c10d_functional" in target and "wait_tensor" not in target) or node.target is torch.ops.commfx.all_to_all_start.default
+        if started and not any("wait_tensor" in str(user.target) for user in node.users):
+            raise PassError(f"collective {node.name} has no matching wait_tensor")
 
 
 def _is_commfx(node: fx.Node, names: tuple[str, ...]) -> bool:

@@ -6,9 +6,11 @@ counts the bytes it sends, split into intra- and inter-node by the plan's topolo
 (3) keeps the issue order identical on every rank.
 
 Ordering guarantee: a process group's collectives must be issued in the same order on
-every rank or a real cluster hangs. Graph collectives run in graph order, and the graph
-is the same on every rank; gradient buckets are issued strictly in bucket index order
-(see `GradientSync`). Nothing here reorders one group's collectives per rank.
+every rank or a real cluster hangs. Graph collectives are submitted in graph order (the
+graph is the same on every rank); gradient buckets and their chunks in bucket index order
+(see `GradientSync`). The dispatcher issues each priority class's collectives in
+submission order on that class's own process groups; priority only delays a class, it
+never reorders one (see `priority.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import Topology
+from .priority import DEFAULT_CLASS, PRIORITY_CLASSES, Dispatcher, Pending
 
 
 class CommError(RuntimeError):
@@ -61,40 +64,56 @@ class CollectiveRecord:
     recv_rows: tuple[int, ...]
     row_shape: tuple[int, ...]
     dtype: torch.dtype
+    priority: str = DEFAULT_CLASS
 
 
 class CommScheduler:
-    """Issues collectives on named groups and accounts for their bytes.
+    """Issues collectives on named groups, in priority lanes, and accounts for their bytes.
 
-    `local_only=True` replaces every collective by a local copy of the same size (the
-    compute-only baseline of `commfx bench`); `records`, when a list, receives a
-    CollectiveRecord per collective (to replay communication alone).
+    Collectives go through a `Dispatcher` (see `priority.py`): `start_*` queues one and
+    returns at once, `wait_tensor` / `wait` block until it is done (bounded by
+    `timeout_s`); the blocking forms are start + wait. `local_only=True` replaces every
+    collective by a local copy of the same size (the compute-only baseline of `commfx
+    bench`); `records`, when a list, receives a CollectiveRecord per collective (to replay
+    communication alone).
     """
 
-    def __init__(self, topology: Topology, rank: int, groups: dict[str, "GroupHandle"]):
+    def __init__(self, topology: Topology, rank: int, groups: dict[str, "GroupHandle"], *, timeout_s: float = 300.0):
         self.topology = topology
         self.rank = rank
         self.groups = groups
+        self.timeout_s = timeout_s
         self.stats = CommStats()
         self.local_only = False
         self.records: list[CollectiveRecord] | None = None
+        self.dispatcher = Dispatcher()
+        self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
 
-    def group(self, name: str) -> "GroupHandle":
+    def group(self, name: str, priority: str = DEFAULT_CLASS) -> "GroupHandle":
+        key = group_key(name, priority)
         try:
-            return self.groups[name]
+            return self.groups[key]
         except KeyError:
-            raise CommError(f"process group {name!r} is not in the plan (known: {', '.join(sorted(self.groups))})") from None
+            if name not in self.groups:
+                raise CommError(f"process group {name!r} is not in the plan (known: {', '.join(sorted(self.groups))})") from None
+            raise CommError(
+                f"priority class {priority!r} has no process groups of its own; register it "
+                "(commfx.runtime.priority.register_priority_class) before the runtime builds its groups"
+            ) from None
 
     # -- collectives -------------------------------------------------------------------
 
-    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str) -> torch.Tensor:
-        handle = self.group(group)
+    def start_all_to_all(
+        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = ""
+    ) -> torch.Tensor:
+        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`)."""
+        handle = self.group(group, priority)
         if len(send_rows) != handle.size or len(recv_rows) != handle.size:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
         row_bytes = _row_bytes(x)
         self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
         if self.records is not None:
-            self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype))
+            self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype, priority))
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
         if self.local_only:
             # Same bytes moved, no network: keep what fits, zeros for the rest.
@@ -103,38 +122,67 @@ class CommScheduler:
         if handle.size == 1:
             out.copy_(x)
             return out
-        self._run(
-            "all_to_all",
-            group,
-            lambda: dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows, group=handle.pg),
-        )
+        x = x.contiguous()
+        nbytes = sum(send_rows) * row_bytes
+        issue = lambda: dist.all_to_all_single(out, x, recv_rows, send_rows, group=handle.pg, async_op=True)  # noqa: E731
+        self._started[id(out)] = self.dispatcher.submit(Pending("all_to_all", priority, group, tag, nbytes, issue))
         return out
 
-    def all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce") -> torch.Tensor:
-        """Sum `tensor` in place over `group`."""
-        handle = self.group(group)
+    def wait_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Block until the collective that produces `t` is done (no-op if none is pending)."""
+        pending = self._started.pop(id(t), None)
+        if pending is not None:
+            self.wait(pending)
+        return t
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "") -> torch.Tensor:
+        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag))
+
+    def start_all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS, tag: str = "") -> Pending | None:
+        """Queue an in-place sum of `tensor` over `group`; None when there is nothing to wait for."""
+        handle = self.group(group, priority)
         if handle.size == 1:
-            return tensor
+            return None
         # A ring all-reduce sends 2 (P-1)/P of the buffer to the next rank of the ring.
         payload = tensor.numel() * tensor.element_size()
         successor = handle.ranks[(handle.rank + 1) % handle.size]
         self._count(kind, handle, {successor: 2 * (handle.size - 1) * payload // handle.size})
         if self.records is not None:
-            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (tensor.numel(),), (), tensor.dtype))
+            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (tensor.numel(),), (), tensor.dtype, priority))
         if self.local_only:
-            return tensor  # a local "reduction" over one replica leaves the tensor as it is
-        self._run(kind, group, lambda: dist.all_reduce(tensor, group=handle.pg))
+            return None  # a local "reduction" over one replica leaves the tensor as it is
+        issue = lambda: dist.all_reduce(tensor, group=handle.pg, async_op=True)  # noqa: E731
+        return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
+
+    def all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS) -> torch.Tensor:
+        """Sum `tensor` in place over `group`."""
+        self.wait(self.start_all_reduce(tensor, group, kind, priority))
         return tensor
 
     def all_gather_object(self, obj, group: str = "world") -> list:
         handle = self.group(group)
         out = [None] * handle.size
-        self._run("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=handle.pg))
+        self._blocking("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=handle.pg))
         return out
 
     def barrier(self, group: str = "world") -> None:
         handle = self.group(group)
-        self._run("barrier", group, lambda: dist.barrier(group=handle.pg))
+        self._blocking("barrier", group, lambda: dist.barrier(group=handle.pg))
+
+    def wait(self, pending: Pending | None) -> None:
+        """Block until `pending` is done; a failure or a timeout raises CommError."""
+        if pending is None:
+            return
+        if not pending.done.wait(self.timeout_s):
+            raise CommError(
+                f"{pending.kind} on group {pending.group!r} ({pending.priority}) did not finish within "
+                f"{self.timeout_s:.0f}s on rank {self.rank}. Another rank probably died or is stuck; check its log."
+            )
+        if pending.error is not None:
+            raise CommError(
+                f"{pending.kind} on group {pending.group!r} failed on rank {self.rank}: {pending.error}. "
+                "Another rank probably died or timed out; check its log."
+            ) from pending.error
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -147,14 +195,14 @@ class CommScheduler:
             same_node = self.topology.node_of(peer) == my_node
             (self.stats.intra_node_bytes if same_node else self.stats.inter_node_bytes)[kind] += nbytes
 
-    def _run(self, kind: str, group: str, fn) -> None:
-        try:
+    def _blocking(self, kind: str, group: str, fn) -> None:
+        """Run a synchronous collective in the default lane (it shares that lane's groups)."""
+
+        def issue():
             fn()
-        except (RuntimeError, dist.DistBackendError) as error:  # gloo raises RuntimeError subclasses
-            raise CommError(
-                f"{kind} on group {group!r} failed on rank {self.rank}: {error}. "
-                "Another rank probably died or timed out; check its log."
-            ) from error
+            return None
+
+        self.wait(self.dispatcher.submit(Pending(kind, DEFAULT_CLASS, group, "", 0, issue)))
 
 
 def _row_bytes(x: torch.Tensor) -> int:
@@ -178,27 +226,39 @@ class GroupHandle:
         return len(self.ranks)
 
 
+def group_key(name: str, priority: str = DEFAULT_CLASS) -> str:
+    """The default class uses the plan's groups; every other class its own clones ("grad/world")."""
+    return name if priority == DEFAULT_CLASS else f"{priority}/{name}"
+
+
 def build_groups(topology: Topology, rank: int) -> dict[str, GroupHandle]:
-    """Create every process group of the plan (collectively: all ranks call this in order)."""
+    """Create every process group of the plan, once per priority class (collectively: all
+    ranks call this, and create every group in the same order)."""
     handles: dict[str, GroupHandle] = {}
     world = list(range(topology.world_size))
-    for name, rank_lists in topology.process_groups().items():
-        for ranks in rank_lists:
-            if ranks == world and len(ranks) > 1:
-                pg = dist.group.WORLD
-            elif len(ranks) > 1:
-                pg = dist.new_group(ranks)  # collective over the world: every rank creates every group
-            else:
-                pg = None
-            if rank in ranks:
-                handles[name] = GroupHandle(name, pg, ranks, ranks.index(rank))
+    for priority in sorted(PRIORITY_CLASSES, key=lambda n: PRIORITY_CLASSES[n].level):
+        for name, rank_lists in topology.process_groups().items():
+            for ranks in rank_lists:
+                if ranks == world and len(ranks) > 1 and priority == DEFAULT_CLASS:
+                    pg = dist.group.WORLD
+                elif len(ranks) > 1:
+                    pg = dist.new_group(ranks)  # collective over the world: every rank creates every group
+                else:
+                    pg = None
+                if rank in ranks:
+                    key = group_key(name, priority)
+                    handles[key] = GroupHandle(key, pg, ranks, ranks.index(rank))
     return handles
 
 
 def local_scheduler(topology: Topology | None = None) -> CommScheduler:
     """A scheduler for a world of one (the single-process reference and dumps)."""
     topology = topology or Topology(world_size=1)
-    groups = {name: GroupHandle(name, None, [0], 0) for name in ("world", "ep", "edp")}
+    groups = {
+        group_key(name, priority): GroupHandle(group_key(name, priority), None, [0], 0)
+        for priority in PRIORITY_CLASSES
+        for name in ("world", "ep", "edp")
+    }
     return CommScheduler(topology, 0, groups)
 
 

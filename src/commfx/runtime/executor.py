@@ -2,17 +2,25 @@
 
 Subclasses override a short, documented set of methods:
 - `run_node(node)`: every node (timing and tracing hooks go here);
-- `call_collective(node, args, kwargs)`: nodes that communicate (commfx comm ops).
+- `call_collective(node, args, kwargs)`: nodes that communicate (commfx comm ops);
+- `on_value(node, value)`: a node's value is ready (BackwardExecutor hands gradients to
+  the gradient sync here, so their all-reduce starts while backward goes on).
 The comm scheduler is active for the whole run, so comm ops find it.
 """
 
 from __future__ import annotations
 
+import operator
+import time
+
 import torch.fx as fx
 
 from .comm import CommScheduler, active
+from .grad_sync import GradientSync
+from .trace import Timeline
 
-COMM_OPS = {"all_to_all", "exchange_counts"}
+COMM_OPS = {"all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor"}
+_UNTIMED = {"placeholder", "output", "get_attr"}
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -22,24 +30,59 @@ def is_collective(node: fx.Node) -> bool:
 
 
 class GraphExecutor(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler):
+    def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, *, timeline: Timeline | None = None, phase: str = "forward"):
         super().__init__(gm, garbage_collect_values=True)
         self.scheduler = scheduler
+        self.timeline = timeline
+        self.phase = phase
 
     def run(self, *args):
         with active(self.scheduler):
             return super().run(*args)
 
     def run_node(self, node: fx.Node):
+        start = time.perf_counter()
         if is_collective(node):
             args, kwargs = self.fetch_args_kwargs_from_env(node)
-            return self.call_collective(node, args, kwargs)
-        return super().run_node(node)
+            value = self.call_collective(node, args, kwargs)
+        else:
+            value = super().run_node(node)
+        if self.timeline is not None and node.op not in _UNTIMED and node.target is not operator.getitem:
+            self.timeline.compute(node, self.phase, start, time.perf_counter(), blocked=is_collective(node))
+        self.on_value(node, value)
+        return value
 
     def call_collective(self, node: fx.Node, args, kwargs):
         """Issue a communication node (override to time, trace or reorder it)."""
         return node.target(*args, **kwargs)
 
+    def on_value(self, node: fx.Node, value) -> None:
+        """Called with every node's value as soon as it exists."""
 
 
-__all__ = ["GraphExecutor", "is_collective"]
+class BackwardExecutor(GraphExecutor):
+    """Runs a backward graph whose first outputs are parameter gradients (aot_autograd's
+    order) and reduces them with `grad_sync` as they appear; returns the reduced ones."""
+
+    def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, grad_sync: GradientSync, **kwargs):
+        super().__init__(gm, scheduler, phase="backward", **kwargs)
+        self.grad_sync = grad_sync
+        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        self._slots: dict[fx.Node, list[int]] = {}
+        for slot, value in enumerate(outputs[: grad_sync.num_slots]):
+            if isinstance(value, fx.Node):
+                self._slots.setdefault(value, []).append(slot)
+
+    def on_value(self, node: fx.Node, value) -> None:
+        for slot in self._slots.get(node, ()):
+            self.grad_sync.ready(slot, value)
+
+    def run(self, *args):
+        outputs = list(super().run(*args))
+        with active(self.scheduler):
+            for slot, reduced in self.grad_sync.finish().items():
+                outputs[slot] = reduced
+        return outputs
+
+
+__all__ = ["BackwardExecutor", "GraphExecutor", "is_collective"]

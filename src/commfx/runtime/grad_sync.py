@@ -1,4 +1,4 @@
-"""Gradient synchronisation during backward: bucketed all-reduce of replicated gradients.
+"""Gradient synchronisation during backward: bucketed, chunked, low-priority all-reduce.
 
 Each parameter's gradient is summed over the ranks that hold a replica of it: the whole
 world for replicated (data-parallel) parameters, the `edp` group for expert shards (a
@@ -6,12 +6,15 @@ group of one when ep == world, so no traffic). With `mean` reduction every gradi
 then divided by the world size, which matches DDP: the global-batch gradient of the mean
 of per-rank losses.
 
-Buckets fill in reverse registration order (roughly the order backward produces
-gradients) and a bucket is issued as soon as it and every bucket before it are ready, so
-reduction overlaps the rest of backward. Buckets are issued strictly in index order,
-which is the same on every rank: that is what keeps each group's collective order
-identical everywhere. At the end of backward any bucket still waiting (a parameter that
-got no gradient this step) is issued with zeros for the missing gradients.
+The backward executor hands each gradient over the moment the backward graph produces it
+(`ready`). Buckets fill in reverse parameter order (roughly the order backward produces
+gradients); a bucket is flattened and queued as soon as it and every bucket before it are
+complete, in `chunk_bytes` pieces of the `grad` priority class, so the all-reduce runs
+while backward goes on and an all-to-all can overtake it between pieces. Buckets and
+pieces are queued strictly in index order, which is the same on every rank: that keeps
+each group's collective order identical everywhere. `finish` (end of backward) queues
+what is left, with zeros for gradients this step did not produce, waits, and returns the
+reduced gradients.
 """
 
 from __future__ import annotations
@@ -21,84 +24,119 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import CommScheduler
+from .priority import Pending
+
+
+@dataclass
+class Slot:
+    """One gradient the backward graph returns: its parameter and the group that reduces it."""
+
+    name: str
+    param: torch.Tensor
+    group: str
 
 
 @dataclass
 class Bucket:
+    index: int
     group: str
-    params: list[torch.nn.Parameter]
-    ready: set[int] = field(default_factory=set)
+    slots: list[int]
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    flat: torch.Tensor | None = None
+    pending: list[Pending | None] = field(default_factory=list)
 
     def complete(self) -> bool:
-        return len(self.ready) == len(self.params)
+        return len(self.grads) == len(self.slots)
 
 
 class GradientSync:
     def __init__(
         self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        group_of: dict[str, str],
+        slots: list[Slot],
         scheduler: CommScheduler,
         *,
         scale: float,
-        bucket_bytes: int = 4 * 2**20,
+        bucket_bytes: int = 1 << 20,
+        chunk_bytes: int = 0,  # 0: a bucket is one collective
+        priority: str = "grad",
     ):
+        self.slots = slots
         self.scheduler = scheduler
         self.scale = scale
-        self.buckets = _make_buckets(named_params, group_of, bucket_bytes)
-        self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        self.chunk_bytes = chunk_bytes
+        self.priority = priority
+        self.buckets = _make_buckets(slots, bucket_bytes)
+        self._bucket_of = {slot: bucket for bucket in self.buckets for slot in bucket.slots}
         self._next = 0
-        self._armed = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_ready) for _, p in named_params]
 
-    def _on_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._armed:
-            self._armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        i, j = self._bucket_of[id(param)]
-        self.buckets[i].ready.add(j)
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def ready(self, slot: int, grad: torch.Tensor | None) -> None:
+        bucket = self._bucket_of.get(slot)
+        if bucket is None or grad is None:
+            return
+        bucket.grads[slot] = grad
         while self._next < len(self.buckets) and self.buckets[self._next].complete():
-            self._reduce(self.buckets[self._next])
+            self._issue(self.buckets[self._next])
             self._next += 1
 
-    def _finish(self) -> None:
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Queue the rest, wait for every bucket, and return slot -> reduced gradient."""
         for bucket in self.buckets[self._next :]:
-            self._reduce(bucket)
-        for bucket in self.buckets:
-            bucket.ready.clear()
-        self._next = 0
-        self._armed = False
+            self._issue(bucket)
+        reduced: dict[int, torch.Tensor] = {}
+        try:
+            for bucket in self.buckets:
+                for pending in bucket.pending:
+                    self.scheduler.wait(pending)
+                if self.scale != 1.0:
+                    bucket.flat.mul_(self.scale)
+                offset = 0
+                for slot in bucket.slots:
+                    numel = self.slots[slot].param.numel()
+                    if slot in bucket.grads:
+                        reduced[slot] = bucket.flat[offset : offset + numel].view(self.slots[slot].param.shape)
+                    offset += numel
+        finally:
+            for bucket in self.buckets:
+                bucket.grads.clear()
+                bucket.pending = []
+                bucket.flat = None
+            self._next = 0
+        return reduced
 
-    def _reduce(self, bucket: Bucket) -> None:
-        grads = []
-        for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.scheduler.all_reduce(flat, bucket.group, kind="grad_all_reduce")
-        if self.scale != 1.0:
-            flat.mul_(self.scale)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+    def _issue(self, bucket: Bucket) -> None:
+        pieces = []
+        for slot in bucket.slots:
+            grad = bucket.grads.get(slot)
+            pieces.append(grad.reshape(-1) if grad is not None else torch.zeros_like(self.slots[slot].param).reshape(-1))
+        bucket.flat = torch.cat(pieces)
+        element = bucket.flat.element_size()
+        step = max(1, self.chunk_bytes // element) if self.chunk_bytes else bucket.flat.numel()
+        chunks = bucket.flat.split(step)
+        for i, chunk in enumerate(chunks):
+            tag = f"bucket {bucket.index} chunk {i + 1}/{len(chunks)}"
+            bucket.pending.append(
+                self.scheduler.start_all_reduce(chunk, bucket.group, kind="grad_all_reduce", priority=self.priority, tag=tag)
+            )
 
 
-def _make_buckets(named_params, group_of, bucket_bytes) -> list[Bucket]:
+def _make_buckets(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     sizes: list[int] = []
-    for name, param in reversed(named_params):
-        group = group_of[name]
-        nbytes = param.numel() * param.element_size()
-        if buckets and buckets[-1].group == group and sizes[-1] + nbytes <= bucket_bytes:
-            buckets[-1].params.append(param)
+    for index in reversed(range(len(slots))):
+        slot = slots[index]
+        if not slot.param.requires_grad:
+            continue
+        nbytes = slot.param.numel() * slot.param.element_size()
+        last = buckets[-1] if buckets else None
+        same_kind = last is not None and last.group == slot.group and slots[last.slots[0]].param.dtype == slot.param.dtype
+        if same_kind and sizes[-1] + nbytes <= bucket_bytes:
+            last.slots.append(index)
             sizes[-1] += nbytes
         else:
-            buckets.append(Bucket(group, [param]))
+            buckets.append(Bucket(len(buckets), slot.group, [index]))
             sizes.append(nbytes)
     return buckets

@@ -1,9 +1,11 @@
 """The per-rank module `commfx.distribute` returns.
 
 It owns the rewritten graph with only this rank's expert shards (memory is really
-sharded), runs it through the graph executor, and synchronises gradients during backward.
-Its state_dict holds the local parameters under the original names (prefixed `module.`,
-as with DDP) plus the expert placement, which loading checks.
+sharded). On the first call for an input shape it lowers the graph (aot_autograd forward
+and backward, scheduled by `overlap_collectives`) and from then on runs both through the
+graph executor; gradients are reduced by `GradientSync` as the backward graph produces
+them. Its state_dict holds the local parameters under the original names (prefixed
+`module.`, as with DDP) plus the expert placement, which loading checks.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from torch.utils import _pytree as pytree
 from ..plan import Plan
 from ..program import Program
 from .comm import CommScheduler, install_default
-from .executor import GraphExecutor
-from .grad_sync import GradientSync
+from .executor import BackwardExecutor, GraphExecutor
+from .grad_sync import GradientSync, Slot
+from .trace import Timeline
 
 
 class DistributedModule(torch.nn.Module):
@@ -29,15 +32,28 @@ class DistributedModule(torch.nn.Module):
         self.scheduler = scheduler
         self.placement = placement  # sharded parameter -> [start, stop) of the full dim 0 held here
         install_default(scheduler)
-        shards = program.annotations.get("shards", {})
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        group_of = {n: (shards[n]["replicated_over"] if n in shards else "world") for n, _ in named}
-        scale = 1.0 / plan.topology.world_size if plan.grad_reduction == "mean" else 1.0
-        self.grad_sync = GradientSync(named, group_of, scheduler, scale=scale)
+        self.grad_sync = make_grad_sync(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
+        self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
+        self._compiled: dict[tuple, object] = {}
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        flat = GraphExecutor(self.module, self.scheduler).run(*inputs)
+        signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = self._compiled[signature] = self._compile(inputs)
+        flat = compiled(*inputs)
         return pytree.tree_unflatten(list(flat), self.program.out_spec)
+
+    def _compile(self, inputs):
+        from ..lower import compile_training  # imported here: lower imports this module
+
+        def forward(gm):
+            return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline).run(*args)
+
+        def backward(gm):
+            return lambda *args: BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
+
+        return compile_training(self.module, inputs, forward=forward, backward=backward)
 
     @property
     def comm_stats(self):
@@ -53,6 +69,22 @@ class DistributedModule(torch.nn.Module):
                 f"({state.get('placement')}) than this rank ({self.placement}); load it on the rank "
                 "that saved it, with the same world size and ep"
             )
+
+
+def make_grad_sync(program: Program, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
+    """The gradient sync for `program`'s parameters (in aot_autograd's order), configured by
+    the plan (bucket size) and by `annotations["comm_schedule"]` (priority, chunk size)."""
+    shards = program.annotations.get("shards", {})
+    schedule = program.annotations.get("comm_schedule", {})
+    scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
+    slots = [
+        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
+        for name, param in named_params
+    ]
+    scale = 1.0 / plan.topology.world_size if plan.grad_reduction == "mean" else 1.0
+    return GradientSync(
+        slots, scheduler, scale=scale, bucket_bytes=plan.grad_bucket_bytes, chunk_bytes=schedule.get("grad_chunk_bytes", 0)
+    )
 
 
 def shard_parameters(program: Program, ep_rank: int) -> dict[str, list[int]]:

@@ -1,0 +1,105 @@
+"""Cost model for partitioning an MoE region into k chunks (partition_a2a's k=auto).
+
+One MoE region is a three-stage pipeline per chunk: dispatch all-to-all, experts, combine
+all-to-all. Both all-to-alls share the link, so per chunk the link is busy 2·t_c and the
+experts t_f, with
+
+    t_c = α + B / (k β)          (α: per-collective latency, B: bytes a rank sends, β: its bandwidth)
+    t_f = γ + F / (k φ)          (γ: fixed cost of one more chunk of kernels, F: FLOPs, φ: FLOP/s)
+
+The first chunk passes every stage, each further chunk adds the slower resource:
+
+    T(k) = 2·t_c + t_f + (k - 1)·max(2·t_c, t_f)
+
+Backward is the same pipeline with twice the FLOPs (input and weight gradients). Small k
+leaves the link and the experts idle in turn; large k pays α and γ per chunk. We evaluate
+T_fw + T_bw for each candidate and keep the fastest (the smaller k on a tie). The
+expressions are sympy so tests and `commfx passes` can show them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from .plan import Topology
+
+k, alpha, beta, gamma, phi, B, F = sympy.symbols("k alpha beta gamma phi B F", positive=True)
+
+
+def region_time(flops) -> sympy.Expr:
+    """T(k) of one pipelined dispatch -> experts -> combine region doing `flops`."""
+    t_c = alpha + B / (k * beta)
+    t_f = gamma + flops / (k * phi)
+    return 2 * t_c + t_f + (k - 1) * sympy.Max(2 * t_c, t_f)
+
+
+STEP_TIME = region_time(F) + region_time(2 * F)  # forward + backward of one layer
+
+# A chunk adds a handful of small kernels (split, regroup, expert GEMMs, merge): on a GPU a
+# few launches, on the CPU reference path a few hundred microseconds of Python and copies.
+CHUNK_OVERHEAD_S = {"cuda": 30e-6, "cpu": 300e-6}
+
+
+@dataclass(frozen=True)
+class MoERegion:
+    """What one rank moves and computes in one MoE region (uniform routing assumed)."""
+
+    tokens: int  # tokens per rank entering the layer
+    hidden: int
+    expert_hidden: int
+    top_k: int
+    num_experts: int
+    dtype_bytes: int
+    matrices: int = 3  # expert matrices of size hidden x expert_hidden (gated: gate, up, down)
+
+    def flops(self) -> float:
+        return 2.0 * self.tokens * self.top_k * self.matrices * self.hidden * self.expert_hidden
+
+    def rows_sent(self, ep: int) -> float:
+        """Rows a rank sends to other ranks in one all-to-all."""
+        return self.tokens * self.top_k * (ep - 1) / ep
+
+
+def link_figures(topology: Topology) -> tuple[float, float, float]:
+    """(fraction of all-to-all bytes crossing nodes, per-rank bandwidth, latency) for the ep group."""
+    ep = topology.expert_parallel_size
+    per_node = min(topology.node_size, ep)
+    if per_node >= ep:  # the ep group lives on one node
+        return 0.0, topology.intra_node_bandwidth, 0.0
+    remote = (ep - per_node) / max(ep - 1, 1)
+    return remote, topology.inter_node_bandwidth / per_node, topology.inter_node_latency_s
+
+
+def substitutions(region: MoERegion, topology: Topology, chunk_overhead_s: float) -> dict:
+    ep = topology.expert_parallel_size
+    remote, bandwidth, latency = link_figures(topology)
+    sent = region.rows_sent(ep) * region.hidden * region.dtype_bytes
+    if remote == 0.0:  # one node: the intra-node copy is the link
+        bytes_on_link, latency = sent, 0.0
+    else:  # the inter-node share is the bottleneck
+        bytes_on_link = sent * remote
+    return {
+        alpha: latency,
+        beta: bandwidth,
+        B: bytes_on_link,
+        F: region.flops(),
+        phi: topology.flops_per_s,
+        gamma: chunk_overhead_s,
+    }
+
+
+def predicted_times(region: MoERegion, topology: Topology, candidates, chunk_overhead_s: float) -> dict[int, float]:
+    values = substitutions(region, topology, chunk_overhead_s)
+    step = STEP_TIME.subs(values)
+    return {c: float(step.subs(k, c)) for c in candidates}
+
+
+def choose_chunks(region: MoERegion, topology: Topology, *, max_k: int = 8, chunk_overhead_s: float = 300e-6) -> int:
+    """The k in 1, 2, 4, ... max_k with the lowest predicted fw+bw time (1 if ep == 1)."""
+    if topology.expert_parallel_size == 1:
+        return 1
+    candidates = [c for c in (1, 2, 4, 8, 16, 32) if c <= max_k and c <= max(1, region.tokens)]
+    times = predicted_times(region, topology, candidates, chunk_overhead_s)
+    return min(candidates, key=lambda c: (times[c], c))

@@ -1,0 +1,199 @@
+"""partition_a2a: split each MoE region into k token chunks and prioritise all-to-all (Lina).
+
+All-to-all blocks compute (experts wait for tokens; the next layer waits for them to come
+back) while gradient all-reduce does not. Cutting the region into chunks lets chunk i's
+transfer overlap chunk i±1's experts; giving all-to-all the higher priority class and
+cutting gradient all-reduce into small chunks means a waiting all-to-all is delayed by at
+most one chunk. (Li et al., "Accelerating Distributed MoE Training and Inference with
+Lina", USENIX ATC 2023.)
+
+The graph of one region after expert_parallel,
+
+    rows -> all_to_all -> group_by_expert -> expert_ffn -> group_by_expert⁻¹ -> all_to_all -> combine
+
+becomes k copies of the middle on `split_chunks(rows)` (every expert's rows cut into k
+runs, so uneven splits and experts empty on some rank stay exact), joined by
+`merge_chunks` before combine. The receiver derives chunk counts from the counts it
+already has, so no extra count exchange. Both all-to-alls are tagged with their priority
+class and chunk; the backward graph inherits both through autograd. The runtime side
+(priority lanes, chunked gradient all-reduce) reads `annotations["comm_schedule"]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks
+from ..plan import Plan, PlanError
+from ..program import Program, stamp
+from .base import Pass, PassError, register
+
+commfx = torch.ops.commfx
+PASS = "partition_a2a"
+
+
+@register
+class PartitionA2A(Pass):
+    """Chunk MoE all-to-alls so they overlap the experts; all-to-all before all-reduce.
+
+    (Lina, USENIX ATC 2023.)
+    """
+
+    name = PASS
+    requires = ("expert parallel",)
+    ensures = ("all-to-all partitioned",)
+    requires_passes = ("lift", "expert_parallel")
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        k: str = "auto"  # chunks per region: an integer >= 1, or auto (cost model)
+        max_k: int = 8  # the largest k auto may pick
+        priority: bool = True  # all-to-all pre-empts gradient all-reduce between chunks
+        grad_chunk_bytes: int = 64 * 1024  # gradient all-reduce chunk (the pre-emption granularity)
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Options, model) -> None:
+        if options.k != "auto":
+            try:
+                chunks = int(options.k)
+            except ValueError:
+                raise PlanError(f"partition_a2a k must be an integer >= 1 or 'auto', got {options.k!r}") from None
+            if chunks < 1:
+                raise PlanError(f"partition_a2a k must be >= 1, got {chunks}")
+        if options.max_k < 1:
+            raise PlanError(f"partition_a2a max_k must be >= 1, got {options.max_k}")
+        if options.grad_chunk_bytes < 1024:
+            raise PlanError(
+                f"partition_a2a grad_chunk_bytes={options.grad_chunk_bytes} is too small: every chunk is one "
+                "collective with its own latency; use 1024 or more (64 KiB is a good start)"
+            )
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        blocks = program.annotations.get("moe_blocks") or []
+        nodes = {n.name: n for n in program.graph.nodes}
+        tokens = program.annotations.get("tokens_per_rank")
+        for block in blocks:
+            chunks = self.chunks_for(program, block, options, plan)
+            if tokens is not None and options.k != "auto" and chunks > max(1, tokens):
+                raise PlanError(
+                    f"partition_a2a k={chunks} is more chunks than the {tokens} tokens per rank of {block['path']}; "
+                    f"use k <= {tokens} or k=auto"
+                )
+            block["chunks"] = chunks
+            _partition_block(program.graph, nodes, block, chunks)
+        program.annotations["comm_schedule"] = {
+            "priority": options.priority,
+            "grad_chunk_bytes": options.grad_chunk_bytes if options.priority else 0,
+        }
+        program.gm.recompile()
+        return bool(blocks)
+
+    @staticmethod
+    def chunks_for(program: Program, block: dict, options: Options, plan: Plan) -> int:
+        if options.k != "auto":
+            return int(options.k)
+        tokens = program.annotations.get("tokens_per_rank")
+        if tokens is None:
+            raise PassError("partition_a2a k=auto needs the tokens per rank (compile through commfx.compile_program)")
+        down = program.gm.get_parameter(block["down"])
+        gate_up = program.gm.get_parameter(block["gate_up"])
+        hidden, expert_hidden = down.shape[1], down.shape[2]
+        region = MoERegion(
+            tokens=tokens,
+            hidden=hidden,
+            expert_hidden=expert_hidden,
+            top_k=block["top_k"],
+            num_experts=block["num_experts"],
+            dtype_bytes=down.element_size(),
+            matrices=gate_up.shape[1] // expert_hidden + 1,
+        )
+        overhead = CHUNK_OVERHEAD_S["cuda" if down.is_cuda else "cpu"]
+        return choose_chunks(region, plan.topology, max_k=options.max_k, chunk_overhead_s=overhead)
+
+
+def _region(nodes: dict[str, fx.Node], block: dict) -> dict[str, fx.Node]:
+    """The nodes expert_parallel made for one block, checked."""
+    ffn = nodes[block["expert_ffn"]]
+    grouped = ffn.args[0]
+    received = grouped.args[0] if grouped.op == "call_function" else None
+    back_users = [u for u in ffn.users if u.target is commfx.group_by_expert.default]
+    if (
+        grouped.target is not commfx.group_by_expert.default
+        or received is None
+        or received.target is not commfx.all_to_all.default
+        or len(back_users) != 1
+    ):
+        raise PassError(
+            f"partition_a2a: {block['path']} does not have the shape expert_parallel makes "
+            "(all_to_all -> group_by_expert -> expert_ffn -> group_by_expert -> all_to_all); "
+            "run partition_a2a directly after expert_parallel"
+        )
+    back = back_users[0]
+    returned = next(u for u in back.users if u.target is commfx.all_to_all.default)
+    send_counts = received.args[1]
+    return {
+        "ffn": ffn,
+        "grouped": grouped,
+        "local_counts": ffn.args[1],
+        "received": received,
+        "back": back,
+        "returned": returned,
+        "rows": received.args[0],
+        "send_counts": send_counts,
+        "recv_counts": received.args[2],
+        "counts": send_counts.args[0],
+    }
+
+
+def _partition_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, chunks: int) -> None:
+    region = _region(nodes, block)
+    path = block["path"]
+    if chunks == 1:  # nothing to split: name the collectives and give them their class
+        for key, role in (("received", "dispatch"), ("returned", "combine")):
+            node = region[key]
+            node.args = (*node.args[:4], "a2a", f"{path} {role} 1/1")
+            stamp(node, PASS, f"{role} all-to-all (priority a2a, 1 chunk)")
+        return
+    ffn = region["ffn"]
+    _, _, gate_up, down, activation = ffn.args
+    group = region["received"].args[3]
+    ep, local_experts = region["send_counts"].args[1]
+
+    def make(target, args, purpose=None):
+        node = graph.call_function(target, args)
+        node.meta["nn_module_stack"] = dict(ffn.meta.get("nn_module_stack", {}))
+        return stamp(node, PASS, purpose) if purpose else node
+
+    with graph.inserting_before(region["received"]):
+        send_chunks = make(commfx.chunk_counts.default, (region["counts"], chunks), f"rows per expert in each of {chunks} chunks")
+        recv_chunks = make(commfx.chunk_counts.default, (region["recv_counts"], chunks), "the same, for the rows this rank receives")
+        pieces = make(commfx.split_chunks.default, (region["rows"], region["counts"], chunks), f"cut every expert's rows into {chunks} runs")
+        sends, recvs, received = [], [], []
+        for j in range(chunks):
+            rows_j = make(operator.getitem, (pieces, j))
+            send_j = make(torch.ops.aten.view.default, (make(torch.ops.aten.select.int, (send_chunks, 0, j)), [ep, local_experts]))
+            recv_j = make(torch.ops.aten.select.int, (recv_chunks, 0, j))
+            tag = f"{path} dispatch {j + 1}/{chunks}"
+            received.append(make(commfx.all_to_all.default, (rows_j, send_j, recv_j, group, "a2a", tag), f"dispatch all-to-all, chunk {j + 1}/{chunks} (priority a2a)"))
+            sends.append(send_j)
+            recvs.append(recv_j)
+        returned, ffns = [], []
+        for j in range(chunks):
+            local_rows = make(commfx.group_by_expert.default, (received[j], recvs[j], False))
+            local_counts = make(torch.ops.aten.sum.dim_IntList, (recvs[j], [0]))
+            out = make(commfx.expert_ffn.default, (local_rows, local_counts, gate_up, down, activation), f"local experts, chunk {j + 1}/{chunks}")
+            ffns.append(out)
+            back = make(commfx.group_by_expert.default, (out, recvs[j], True))
+            tag = f"{path} combine {j + 1}/{chunks}"
+            returned.append(make(commfx.all_to_all.default, (back, recvs[j], sends[j], group, "a2a", tag), f"combine all-to-all, chunk {j + 1}/{chunks} (priority a2a)"))
+        merged = make(commfx.merge_chunks.default, (returned, region["counts"], chunks), "rows back in dispatch order")
+    region["returned"].replace_all_uses_with(merged)
+    for key in ("returned", "back", "ffn", "local_counts", "grouped", "received"):
+        graph.erase_node(region[key])
+    block["expert_ffn"] = ffns[0].name
+    block["expert_ffn_chunks"] = [n.name for n in ffns]
+

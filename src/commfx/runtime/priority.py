@@ -1,0 +1,155 @@
+"""Priority classes and the dispatcher that issues collectives class by class (Lina).
+
+Lina's rule: all-to-all blocks compute (experts wait for their tokens), gradient
+all-reduce does not, so all-to-all goes first and all-reduce is cut into chunks that fill
+the gaps. Every collective carries a priority class; each class is a *lane*:
+
+- a lane issues its collectives one at a time, in the order they were submitted
+  (a FIFO: chunk i's transfer never shares the link with chunk i+1 of the same class);
+- with priority on, a lane issues its next collective only when every higher lane has
+  nothing queued and nothing in flight. A low-priority chunk already on the wire is not
+  interrupted: pre-emption happens only between chunks, so a waiting all-to-all is delayed
+  by at most one chunk.
+
+Why this cannot hang or mismatch: every class except the first runs on its own clones of
+the process groups (`build_groups`), so a process group only ever sees one lane's
+collectives, and a lane issues in submission order, which is the graph order and the
+bucket order, the same on every rank. Priority only *delays* a lane; it never reorders
+one. A high lane never waits for a low one, so high collectives always progress; a low
+lane waits only for high collectives, which finish (or time out and raise).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    level: int  # lower issues first
+    description: str
+
+
+# Control traffic (count exchanges, barriers) rides with the all-to-alls: it is on the
+# critical path too, and sharing their lane keeps one FIFO per process group.
+PRIORITY_CLASSES: dict[str, PriorityClass] = {}
+DEFAULT_CLASS = "a2a"
+
+
+def register_priority_class(name: str, level: int, description: str) -> PriorityClass:
+    """Add a class (passes that bring their own traffic call this at import)."""
+    existing = PRIORITY_CLASSES.get(name)
+    if existing is not None and existing.level != level:
+        raise ValueError(f"priority class {name!r} already registered with level {existing.level}")
+    PRIORITY_CLASSES[name] = PriorityClass(name, level, description)
+    return PRIORITY_CLASSES[name]
+
+
+register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
+register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")
+
+
+def priority_class(name: str) -> PriorityClass:
+    try:
+        return PRIORITY_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"unknown priority class {name!r} (known: {', '.join(sorted(PRIORITY_CLASSES))})") from None
+
+
+@dataclass(eq=False)
+class Pending:
+    """One collective: queued, then issued, then done. Timestamps feed the trace."""
+
+    kind: str
+    priority: str
+    group: str
+    tag: str
+    nbytes: int
+    issue: Callable[[], object] | None  # starts the collective; returns a c10d Work or None when already done
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    t_submit: float = 0.0
+    t_issue: float = 0.0
+    t_done: float = 0.0
+
+
+class Dispatcher:
+    """Issues pending collectives lane by lane on a background thread (see module doc)."""
+
+    def __init__(self, enforce_priority: bool = True):
+        self.enforce_priority = enforce_priority
+        self.history: list[Pending] | None = None  # when a list, every finished collective (for traces)
+        self._lanes: dict[str, deque[Pending]] = {}
+        self._in_flight: dict[str, Pending | None] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, pending: Pending) -> Pending:
+        priority_class(pending.priority)  # unknown classes fail here, on the caller's thread
+        with self._cond:
+            pending.t_submit = time.perf_counter()  # under the lock: ordered against issue decisions
+            self._lanes.setdefault(pending.priority, deque()).append(pending)
+            self._in_flight.setdefault(pending.priority, None)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="commfx-dispatcher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return pending
+
+    def busy(self, priority: str) -> bool:
+        """Whether a lane has anything queued or in flight."""
+        with self._cond:
+            return bool(self._lanes.get(priority)) or self._in_flight.get(priority) is not None
+
+    def _next(self) -> Pending | None:
+        """The next collective allowed on the wire, or None (caller holds the lock)."""
+        busy_above = False
+        for name in sorted(self._lanes, key=lambda n: PRIORITY_CLASSES[n].level):
+            queue, flying = self._lanes[name], self._in_flight[name]
+            if queue and flying is None and not (self.enforce_priority and busy_above):
+                pending = self._in_flight[name] = queue.popleft()
+                pending.t_issue = time.perf_counter()
+                return pending
+            busy_above = busy_above or bool(queue) or flying is not None
+        return None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                pending = self._next()
+                while pending is None:
+                    self._cond.wait()
+                    pending = self._next()
+            issue, pending.issue = pending.issue, None  # drop the buffers once issued (history keeps timings)
+            try:
+                work = issue()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                self._finish(pending, error)
+                continue
+            if work is None:
+                self._finish(pending, None)
+            else:
+                work.get_future().add_done_callback(lambda future, p=pending: self._finish(p, _error_of(future)))
+
+    def _finish(self, pending: Pending, error: BaseException | None) -> None:
+        pending.t_done = time.perf_counter()
+        pending.error = error
+        with self._cond:
+            self._in_flight[pending.priority] = None
+            if self.history is not None:
+                self.history.append(pending)
+            self._cond.notify_all()
+        pending.done.set()
+
+
+def _error_of(future) -> BaseException | None:
+    try:
+        future.value()
+    except BaseException as error:  # noqa: BLE001
+        return error
+    return None

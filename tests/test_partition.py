@@ -1,0 +1,140 @@
+"""partition_a2a (Lina): chunk ops, the cost model, plan checks and the rewritten graph."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import commfx.ops  # noqa: F401
+from commfx.api import compile_program
+from commfx.cost_model import STEP_TIME, MoERegion, alpha, B, beta, choose_chunks, F, gamma, k, phi, predicted_times, region_time
+from commfx.models import load_model
+from commfx.plan import Plan, PlanError, Topology
+
+commfx = torch.ops.commfx
+
+
+# ------------------------------------------------------------------------------ chunk ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 9), min_size=1, max_size=6), parts=st.integers(1, 5))
+def test_split_then_merge_is_the_identity_and_chunks_follow_the_floor_rule(counts, parts):
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    position = torch.cat([torch.arange(c) for c in counts]) if sum(counts) else torch.zeros(0, dtype=torch.int64)
+    rows = torch.stack([expert, position], dim=1).double()  # each row says which expert and position it is
+    chunk_counts = commfx.chunk_counts(counts_t, parts)
+    assert chunk_counts.shape == (parts, len(counts))
+    assert torch.equal(chunk_counts.sum(0), counts_t)
+    chunks = commfx.split_chunks(rows, counts_t, parts)
+    assert len(chunks) == parts
+    for j, chunk in enumerate(chunks):
+        assert chunk.shape[0] == int(chunk_counts[j].sum())
+        # chunk j holds, expert by expert, positions [floor(c j / k), floor(c (j+1) / k))
+        expected = [
+            (e, p) for e, c in enumerate(counts) for p in range(c * j // parts, c * (j + 1) // parts)
+        ]
+        assert [tuple(int(v) for v in r) for r in chunk] == expected
+    assert torch.equal(commfx.merge_chunks(chunks, counts_t, parts), rows)
+
+
+def test_chunk_ops_are_differentiable_and_adjoint():
+    counts = torch.tensor([3, 0, 5, 1])
+    rows = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda r: tuple(commfx.split_chunks(r, counts, 3)), (rows,))
+    pieces = [c.detach().requires_grad_() for c in commfx.split_chunks(rows.detach(), counts, 3)]
+    assert torch.autograd.gradcheck(lambda *p: commfx.merge_chunks(list(p), counts, 3), tuple(pieces))
+
+
+def test_chunk_counts_of_received_counts_keep_their_shape():
+    received = torch.tensor([[4, 0], [1, 7]])  # [source rank, local expert]
+    per_chunk = commfx.chunk_counts(received, 2)
+    assert per_chunk.shape == (2, 2, 2)
+    assert torch.equal(per_chunk[0], torch.tensor([[2, 0], [0, 3]]))
+    assert torch.equal(per_chunk.sum(0), received)
+
+
+# ------------------------------------------------------------------------------ cost model
+
+
+def test_the_pipeline_formula():
+    one = region_time(F).subs(k, 1)
+    assert sympy.simplify(one - (2 * (alpha + B / beta) + gamma + F / phi)) == 0
+    # comm-bound: every extra chunk adds the link time of both all-to-alls
+    values = {alpha: 0, beta: 1, B: 10, gamma: 0, phi: 1, F: 1}
+    assert region_time(F).subs(values).subs(k, 4) == pytest.approx(2 * 10 / 4 + 1 / 4 + 3 * (2 * 10 / 4))
+    assert STEP_TIME.free_symbols == {alpha, beta, gamma, phi, B, F, k}
+
+
+def _mixtral_like(tokens=4096, hidden=1024, expert_hidden=4096):
+    return MoERegion(tokens=tokens, hidden=hidden, expert_hidden=expert_hidden, top_k=2, num_experts=8, dtype_bytes=2)
+
+
+def test_cost_model_chunks_when_comm_and_compute_are_comparable():
+    # 2 nodes x 4 GPUs, 100 Gb/s per node, 100 TFLOP/s: about 2.7 ms per all-to-all vs 2 ms of experts.
+    topology = Topology(world_size=8, ranks_per_node=4)
+    times = predicted_times(_mixtral_like(), topology, [1, 2, 4, 8], 30e-6)
+    assert times[1] > times[2] > times[4]
+    assert choose_chunks(_mixtral_like(), topology, max_k=8, chunk_overhead_s=30e-6) >= 4
+
+
+def test_cost_model_keeps_one_chunk_when_latency_dominates():
+    topology = Topology(world_size=8, ranks_per_node=4, inter_node_latency_s=5e-3)  # a WAN-like 5 ms per message
+    assert choose_chunks(_mixtral_like(tokens=256), topology, chunk_overhead_s=30e-6) == 1
+
+
+def test_cost_model_keeps_one_chunk_when_there_is_nothing_to_hide():
+    assert choose_chunks(_mixtral_like(), Topology(world_size=8, ep=1)) == 1  # no expert parallelism
+    fast_link = Topology(world_size=8, ranks_per_node=4, inter_node_bandwidth=1e15)
+    assert choose_chunks(_mixtral_like(), fast_link, chunk_overhead_s=300e-6) == 1  # comm is free; chunks only cost
+
+
+def test_cost_model_never_picks_more_chunks_than_tokens_or_max_k():
+    topology = Topology(world_size=8, ranks_per_node=4)
+    assert choose_chunks(_mixtral_like(tokens=2), topology, chunk_overhead_s=0.0) <= 2
+    assert choose_chunks(_mixtral_like(), topology, max_k=2, chunk_overhead_s=0.0) == 2
+
+
+# ------------------------------------------------------------------------------ plan and pass
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [("k=0", "k must be >= 1"), ("k=many", "integer >= 1 or 'auto'"), ("grad_chunk_bytes=10", "too small"), ("max_k=0", "max_k")],
+)
+def test_bad_options_fail_at_plan_validation(options, message):
+    model, _ = load_model("gpt-moe-tiny")
+    plan = Plan.from_cli(f"lift,expert_parallel,partition_a2a:{options}", world_size=2)
+    with pytest.raises(PlanError, match=message):
+        plan.validate(model)
+
+
+def test_partition_needs_expert_parallel_first():
+    model, _ = load_model("gpt-moe-tiny")
+    with pytest.raises(PlanError, match="needs .*expert_parallel"):
+        Plan.from_cli("lift,partition_a2a", world_size=2).validate(model)
+
+
+def test_more_chunks_than_tokens_is_a_plan_error():
+    model, (ids,) = load_model("gpt-moe-tiny")
+    plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=8", world_size=2)
+    with pytest.raises(PlanError, match="more chunks than the 4 tokens"):
+        compile_program(model, plan, (ids[:1, :4],))
+
+
+def test_auto_k_is_recorded_and_chunks_every_region():
+    model, inputs = load_model("gpt-moe")
+    # ~1.2 ms of experts per layer vs ~0.6 ms per all-to-all: comparable, so chunking pays.
+    topology = dict(ranks_per_node=2, inter_node_bandwidth=55e6, inter_node_latency_s=1e-5, flops_per_s=1e9)
+    plan = Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=4, **topology)
+    program = compile_program(model, plan, inputs)
+    blocks = program.annotations["moe_blocks"]
+    assert len(blocks) == 2 and all(b["chunks"] > 1 for b in blocks)
+    a2a = [n for n in program.graph.nodes if n.target is commfx.all_to_all.default]
+    assert len(a2a) == 2 * sum(b["chunks"] for b in blocks)
+    assert {n.args[4] for n in a2a} == {"a2a"}
+    assert program.annotations["comm_schedule"] == {"priority": True, "grad_chunk_bytes": 64 * 1024}
