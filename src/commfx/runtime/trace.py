@@ -44,8 +44,7 @@ class Timeline:
         self.steps: list[tuple[int, float, float]] = []
 
     def compute(self, node: fx.Node, phase: str, start: float, end: float, *, blocked: bool = False) -> None:
-        op = getattr(node.target, "__name__", str(node.target))
-        self.spans.append(ComputeSpan(node.name, op, phase, start, end, blocked))
+        self.spans.append(ComputeSpan(node.name, op_label(node), phase, start, end, blocked))
 
     def step(self, index: int, start: float, end: float) -> None:
         self.steps.append((index, start, end))
@@ -93,6 +92,17 @@ class Timeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": self.chrome_events(collectives), "displayTimeUnit": "ms"}))
         return path
+
+
+def op_label(node: fx.Node) -> str:
+    """commfx.expert_ffn, aten.mm, operator.add: short and stable, like `commfx dump`."""
+    target = node.target
+    if isinstance(target, str):
+        return f"{node.op} {target}"
+    namespace = getattr(target, "namespace", None)
+    if namespace is not None:  # an OpOverload
+        return f"{namespace}.{target._opname}"
+    return f"{getattr(target, '__module__', '') or ''}.{getattr(target, '__name__', str(target))}".lstrip(".")
 
 
 def _comm_track(priority: str) -> int:
