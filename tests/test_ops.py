@@ -53,9 +53,12 @@ def test_group_by_expert_round_trip(count_rows):
     rows = torch.randn(int(counts.sum()), 2)
     grouped = ops.group_by_expert(rows, counts, False)
     assert torch.equal(ops.group_by_expert(grouped, counts, True), rows)
-    # Expert-major: the first counts[:, 0].sum() rows are expert 0's, from source 0 first.
-    first = int(counts[0, 0])
-    assert torch.equal(grouped[:first], rows[:first])
+    # Expert-major: expert 0's rows from every source (sources in order), then expert 1's, ...
+    sources, experts = counts.shape
+    tags = [(s, e) for s in range(sources) for e in range(experts) for _ in range(int(counts[s, e]))]
+    tagged = torch.tensor([[s, e] for s, e in tags], dtype=torch.float64).view(-1, 2)
+    expected = sorted(tags, key=lambda se: (se[1], se[0]))
+    assert [tuple(int(v) for v in r) for r in ops.group_by_expert(tagged, counts, False)] == expected
 
 
 def test_router_matches_softmax_topk_normalise_and_its_gradient():

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 import commfx.ops  # noqa: F401
 from commfx.api import compile_program
-from commfx.cost_model import STEP_TIME, MoERegion, alpha, B, beta, choose_chunks, F, gamma, k, phi, predicted_times, region_time
+from commfx.cost_model import (
+    STEP_TIME, B, F, MoERegion, alpha, beta, choose_chunks, gamma, grad_chunk_bytes, k, phi, predicted_times, region_time,
+)
 from commfx.models import load_model
 from commfx.plan import Plan, PlanError, Topology
 
@@ -137,4 +139,14 @@ def test_auto_k_is_recorded_and_chunks_every_region():
     a2a = [n for n in program.graph.nodes if n.target is commfx.all_to_all.default]
     assert len(a2a) == 2 * sum(b["chunks"] for b in blocks)
     assert {n.args[4] for n in a2a} == {"a2a"}
-    assert program.annotations["comm_schedule"] == {"priority": True, "grad_chunk_bytes": 64 * 1024}
+    assert program.annotations["comm_schedule"] == {"priority": True, "grad_chunk_bytes": grad_chunk_bytes(plan.topology)}
+
+
+def test_gradient_chunks_grow_with_latency_so_latency_stays_a_small_share():
+    lan = Topology(world_size=4, ranks_per_node=2, inter_node_bandwidth=25e6, inter_node_latency_s=1e-3)
+    # ring of 4: 6 latencies (6 ms); at 12.5 MB/s per rank a chunk must be ~450 KB for them to be 10%
+    chunk = grad_chunk_bytes(lan)
+    wire = 2 * 3 / 4 * chunk / 12.5e6
+    assert 6e-3 / (6e-3 + wire) == pytest.approx(0.1, abs=0.005)
+    assert grad_chunk_bytes(Topology(world_size=4, ranks_per_node=2, inter_node_bandwidth=25e6, inter_node_latency_s=0)) == 64 * 1024
+    assert grad_chunk_bytes(Topology(world_size=1)) == 64 * 1024

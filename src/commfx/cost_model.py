@@ -103,3 +103,19 @@ def choose_chunks(region: MoERegion, topology: Topology, *, max_k: int = 8, chun
     candidates = [c for c in (1, 2, 4, 8, 16, 32) if c <= max_k and c <= max(1, region.tokens)]
     times = predicted_times(region, topology, candidates, chunk_overhead_s)
     return min(candidates, key=lambda c: (times[c], c))
+
+
+def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: int = 64 * 1024) -> int:
+    """Gradient all-reduce chunk size: the smallest whose ring all-reduce spends at most
+    `latency_share` of its time on latency (smaller chunks pre-empt sooner but pay the
+    2(P-1) latencies of a ring for every chunk)."""
+    world = topology.world_size
+    if world == 1:
+        return floor
+    multi_node = topology.node_size < world
+    latency = topology.inter_node_latency_s if multi_node else 0.0
+    bandwidth = topology.inter_node_bandwidth / topology.node_size if multi_node else topology.intra_node_bandwidth
+    ring_latency = 2 * (world - 1) * latency
+    # time on the wire for chunk c: 2 (P-1)/P c / bandwidth; ask ring_latency <= share/(1-share) of it
+    chunk = ring_latency * bandwidth * world / (2 * (world - 1)) * (1 - latency_share) / latency_share
+    return max(floor, -(-int(chunk) // 1024) * 1024)

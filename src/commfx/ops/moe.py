@@ -309,17 +309,13 @@ def group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> 
 
 def _source_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
     """Indices into source-major rows that list them expert-major."""
-    sources, experts = counts.shape
     flat = counts.reshape(-1)
-    starts = (torch.cumsum(flat, 0) - flat).view(sources, experts)
-    pieces = [
-        torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]), device=counts.device)
-        for e in range(experts)
-        for s in range(sources)
-    ]
-    if not pieces:
-        return torch.zeros(0, dtype=torch.int64, device=counts.device)
-    return torch.cat(pieces)
+    starts = torch.cumsum(flat, 0) - flat  # where each (source, expert) run begins, source-major
+    by_expert = counts.t().reshape(-1)  # the same runs, expert-major
+    begins = starts.view(counts.shape).t().reshape(-1)
+    placed = torch.cumsum(by_expert, 0) - by_expert  # where each run lands, expert-major
+    total = int(flat.sum())
+    return torch.arange(total, device=counts.device) + torch.repeat_interleave(begins - placed, by_expert, output_size=total)
 
 
 @group_by_expert.register_fake

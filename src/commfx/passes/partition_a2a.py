@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks
+from ..cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
 from ..plan import Plan, PlanError
 from ..program import Program, stamp
 from .base import Pass, PassError, register
@@ -53,7 +53,8 @@ class PartitionA2A(Pass):
         k: str = "auto"  # chunks per region: an integer >= 1, or auto (cost model)
         max_k: int = 8  # the largest k auto may pick
         priority: bool = True  # all-to-all pre-empts gradient all-reduce between chunks
-        grad_chunk_bytes: int = 64 * 1024  # gradient all-reduce chunk (the pre-emption granularity)
+        # gradient all-reduce chunk, the pre-emption granularity: bytes, or auto (latency <= 10% of a chunk)
+        grad_chunk_bytes: str = "auto"
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -66,11 +67,16 @@ class PartitionA2A(Pass):
                 raise PlanError(f"partition_a2a k must be >= 1, got {chunks}")
         if options.max_k < 1:
             raise PlanError(f"partition_a2a max_k must be >= 1, got {options.max_k}")
-        if options.grad_chunk_bytes < 1024:
-            raise PlanError(
-                f"partition_a2a grad_chunk_bytes={options.grad_chunk_bytes} is too small: every chunk is one "
-                "collective with its own latency; use 1024 or more (64 KiB is a good start)"
-            )
+        if options.grad_chunk_bytes != "auto":
+            try:
+                chunk = int(options.grad_chunk_bytes)
+            except ValueError:
+                raise PlanError(f"partition_a2a grad_chunk_bytes must be a byte count or 'auto', got {options.grad_chunk_bytes!r}") from None
+            if chunk < 1024:
+                raise PlanError(
+                    f"partition_a2a grad_chunk_bytes={chunk} is too small: every chunk is one collective with its "
+                    "own latency; use 1024 or more, or auto"
+                )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         blocks = program.annotations.get("moe_blocks") or []
@@ -85,10 +91,8 @@ class PartitionA2A(Pass):
                 )
             block["chunks"] = chunks
             _partition_block(program.graph, nodes, block, chunks)
-        program.annotations["comm_schedule"] = {
-            "priority": options.priority,
-            "grad_chunk_bytes": options.grad_chunk_bytes if options.priority else 0,
-        }
+        chunk = grad_chunk_bytes(plan.topology) if options.grad_chunk_bytes == "auto" else int(options.grad_chunk_bytes)
+        program.annotations["comm_schedule"] = {"priority": options.priority, "grad_chunk_bytes": chunk if options.priority else 0}
         program.gm.recompile()
         return bool(blocks)
 
