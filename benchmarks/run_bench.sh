@@ -20,4 +20,12 @@ for link in 200mbit,1ms 1gbit,1ms; do
   timeout 600 "$COMMFX" bench gpt-moe --passes lift,expert_parallel --vs lift "${COMMON[@]}" \
     --inter-node "$link" --json "$OUT/ep_vs_lift_${link%%,*}.json" | tee "$OUT/ep_vs_lift_${link%%,*}.txt"
 done
+# 3. Lina (section 4): naive expert parallel, chunking only, priority only and full Lina, interleaved
+timeout 2400 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucket-bytes 262144 \
+  --flops-per-rank 2e10 --collective-overhead 5e-3 \
+  --passes lift,expert_parallel,partition_a2a --vs lift,expert_parallel \
+  --also "chunking=lift,expert_parallel,partition_a2a:k=2;priority=false" \
+  --also "priority=lift,expert_parallel,partition_a2a:k=1" \
+  --nodes 2 --ranks-per-node 2 --inter-node 100mbit --steps 8 --warmup 2 \
+  --json "$OUT/lina_100mbit.json" --trace "$OUT/lina_traces" | tee "$OUT/lina_100mbit.txt"
 echo "results in $OUT"

@@ -134,3 +134,22 @@ def test_cluster_times_from_shared_clock():
     assert _cluster_times(spans, "compute") == [3.0]
     timing = Timing([4.0, 1.0, 3.0, 2.0])
     assert timing.median == 2.5 and timing.quantile(0.25) == 1.75 and timing.quantile(0.75) == 3.25
+
+
+def test_build_config_takes_extra_plans_and_puts_link_figures_in_their_topology():
+    from commfx.bench import build_config
+    from commfx.runtime.cluster import LinkSpec
+
+    config = build_config(
+        "gpt-moe-tiny", "lift,expert_parallel,partition_a2a", "lift,expert_parallel", nodes=2, ranks_per_node=1,
+        also=[("chunking", "lift,expert_parallel,partition_a2a:k=2;priority=false")],
+        link=LinkSpec.parse("100mbit,2ms"), flops_per_rank=1e9, grad_bucket_bytes=4096, collective_overhead_s=1e-3,
+    )
+    assert [s.label for s in config.plans] == ["plan", "baseline", "chunking"]
+    topology = config.plans[2].plan.topology
+    assert topology.inter_node_bandwidth == pytest.approx(100e6 / 8)
+    assert topology.inter_node_latency_s == pytest.approx(2e-3)
+    assert (topology.flops_per_s, topology.collective_overhead_s) == (1e9, 1e-3)
+    assert all(s.plan.grad_bucket_bytes == 4096 for s in config.plans)
+    with pytest.raises(ValueError, match="labels must be distinct"):
+        build_config("gpt-moe-tiny", "lift", None, nodes=1, ranks_per_node=2, also=[("plan", "lift")])

@@ -84,6 +84,7 @@ class BenchConfig:
     lr: float = 1e-3
     seed: int = 0
     progress_path: str | None = None
+    trace_dir: str | None = None  # after measuring, one traced step per plan: DIR/<label>.rankN.json
 
 
 # --------------------------------------------------------------------------- worker side
@@ -150,6 +151,21 @@ class _PlanRunner:
                 self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
         return start, time.monotonic()
 
+    def traced_step(self, rank: int, trace_dir: str) -> str:
+        """One more training step with the timeline on; writes this rank's trace file."""
+        from .runtime.trace import Timeline, rank_trace_path
+
+        self.dm.timeline, self.scheduler.dispatcher.history = Timeline(rank), []
+        try:
+            self.scheduler.barrier()
+            start = time.perf_counter()
+            self._train_step()
+            self.dm.timeline.step(0, start, time.perf_counter())
+            path = rank_trace_path(Path(trace_dir) / f"{self.spec.label}.json", rank)
+            return str(self.dm.timeline.write(path, self.scheduler.dispatcher.history))
+        finally:
+            self.dm.timeline, self.scheduler.dispatcher.history = None, None
+
     def round(self, keep: bool) -> None:
         """Run the three phases once; keep the samples unless this is warm-up."""
         wall, nbytes = self.step()
@@ -190,6 +206,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
         for runner in order:
             runner.round(keep=index >= config.warmup)
     _report_progress(progress, total, total, "done")
+    if config.trace_dir:
+        for runner in runners:
+            runner.samples["trace"] = runner.traced_step(rank, config.trace_dir)
     return {runner.spec.label: runner.samples for runner in runners}
 
 
@@ -459,7 +478,8 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
 def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0,
                  model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
                  lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
-                 link: LinkSpec | None = None, flops_per_rank: float | None = None) -> BenchConfig:
+                 link: LinkSpec | None = None, flops_per_rank: float | None = None,
+                 grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None) -> BenchConfig:
     """Validate every plan against the model before any rank starts.
 
     Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
@@ -476,9 +496,14 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         figures["inter_node_latency_s"] = link.latency_s
     if flops_per_rank:
         figures["flops_per_s"] = flops_per_rank
+    if collective_overhead_s is not None:
+        figures["collective_overhead_s"] = collective_overhead_s
 
     def spec(label: str, text: str) -> PlanSpec:
-        return PlanSpec(label, text, Plan.from_cli(text, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **figures))
+        plan = Plan.from_cli(text, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **figures)
+        if grad_bucket_bytes:
+            plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
+        return PlanSpec(label, text, plan)
 
     specs = [spec("plan", passes)]
     if vs is not None:
@@ -512,6 +537,12 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
             console.print(calibration_table(calibration))
         samples = launch_ranks(cluster, config, console=console, timeout_s=timeout_s)
         result = summarise(samples, config, cluster, link)
+        if config.trace_dir:
+            from .runtime.trace import merge_traces
+
+            for spec in config.plans:
+                merged = merge_traces([r[spec.label]["trace"] for r in samples], Path(config.trace_dir) / f"{spec.label}.json")
+                console.print(f"trace of one {spec.label} step: {merged}")
     result.calibration = calibration
     return result
 

@@ -38,8 +38,9 @@ def region_time(flops) -> sympy.Expr:
 STEP_TIME = region_time(F) + region_time(2 * F)  # forward + backward of one layer
 
 # A chunk adds a handful of small kernels (split, regroup, expert GEMMs, merge): on a GPU a
-# few launches, on the CPU reference path a few hundred microseconds of Python and copies.
-CHUNK_OVERHEAD_S = {"cuda": 30e-6, "cpu": 300e-6}
+# few launches; on the CPU reference path about a millisecond of Python dispatch and row copies
+# (measured: split/merge and regrouping a 768 x 128 region, benchmarks/RESULTS.md).
+CHUNK_OVERHEAD_S = {"cuda": 30e-6, "cpu": 1e-3}
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,9 @@ def link_figures(topology: Topology) -> tuple[float, float, float]:
     ep = topology.expert_parallel_size
     per_node = min(topology.node_size, ep)
     if per_node >= ep:  # the ep group lives on one node
-        return 0.0, topology.intra_node_bandwidth, 0.0
+        return 0.0, topology.intra_node_bandwidth, topology.collective_overhead_s
     remote = (ep - per_node) / max(ep - 1, 1)
-    return remote, topology.inter_node_bandwidth / per_node, topology.inter_node_latency_s
+    return remote, topology.inter_node_bandwidth / per_node, topology.inter_node_latency_s + topology.collective_overhead_s
 
 
 def substitutions(region: MoERegion, topology: Topology, chunk_overhead_s: float) -> dict:
@@ -77,7 +78,7 @@ def substitutions(region: MoERegion, topology: Topology, chunk_overhead_s: float
     remote, bandwidth, latency = link_figures(topology)
     sent = region.rows_sent(ep) * region.hidden * region.dtype_bytes
     if remote == 0.0:  # one node: the intra-node copy is the link
-        bytes_on_link, latency = sent, 0.0
+        bytes_on_link = sent
     else:  # the inter-node share is the bottleneck
         bytes_on_link = sent * remote
     return {
@@ -113,7 +114,7 @@ def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: i
     if world == 1:
         return floor
     multi_node = topology.node_size < world
-    latency = topology.inter_node_latency_s if multi_node else 0.0
+    latency = topology.collective_overhead_s / (2 * (world - 1)) + (topology.inter_node_latency_s if multi_node else 0.0)
     bandwidth = topology.inter_node_bandwidth / topology.node_size if multi_node else topology.intra_node_bandwidth
     ring_latency = 2 * (world - 1) * latency
     # time on the wire for chunk c: 2 (P-1)/P c / bandwidth; ask ring_latency <= share/(1-share) of it

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from . import ops  # noqa: F401  (registers torch.ops.commfx)
+from .passes.base import verify_waits
 
 commfx = torch.ops.commfx
 
@@ -31,6 +32,7 @@ def overlap_collectives(gm: fx.GraphModule) -> int:
     for start in starts:
         _sink_wait(next(iter(start.users)))
     graph.lint()
+    verify_waits(graph)
     gm.recompile()
     return len(starts)
 

@@ -36,6 +36,9 @@ class Topology:
     inter_node_latency_s: float = 5e-6
     intra_node_bandwidth: float = 100e9  # bytes/s between ranks of one node
     flops_per_s: float = 100e12  # per rank
+    # fixed cost of one collective beyond the wire's latency: launch, software stack, waiting
+    # for the slowest peer (tens of microseconds with NCCL; milliseconds for gloo on shared CPUs)
+    collective_overhead_s: float = 20e-6
 
     @property
     def expert_parallel_size(self) -> int:

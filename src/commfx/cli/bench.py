@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 
 __all__ = ["add_parser"]
 
@@ -33,6 +35,10 @@ def add_parser(subparsers) -> None:
                              "e.g. --also 'lina=lift,expert_parallel,partition_a2a'")
     parser.add_argument("--flops-per-rank", type=float, default=None,
                         help="compute rate the cost models assume (FLOP/s per rank; see --calibrate)")
+    parser.add_argument("--collective-overhead", type=float, default=None, metavar="SECONDS",
+                        help="fixed cost per collective the cost models assume (default 20e-6; see a --trace)")
+    parser.add_argument("--grad-bucket-bytes", type=int, default=None,
+                        help="gradient all-reduce bucket size for every plan (default: the plan's, 1 MiB)")
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
@@ -47,6 +53,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--trace", metavar="DIR", help="after measuring, trace one step of every plan: DIR/<label>.json "
+                                                        "(Chrome/Perfetto, all ranks) and DIR/<label>.rankN.json")
     parser.add_argument("--calibrate", action="store_true",
                         help="first measure compute rate and link throughput, and print the FLOPs-per-byte balance")
     parser.add_argument("--no-emulation", action="store_true", help="run on plain localhost without link shaping")
@@ -94,7 +102,10 @@ def _run(args: argparse.Namespace) -> int:
         args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep,
         model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
+        grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
     )
+    if args.trace:
+        config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))
     vs = f" vs {args.vs!r}" if args.vs is not None else ""
     console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds, "
                   f"model config {config.model_kwargs}")

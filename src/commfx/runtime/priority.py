@@ -21,6 +21,7 @@ lane waits only for high collectives, which finish (or time out and raise).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -96,6 +97,11 @@ class Dispatcher:
             self._lanes.setdefault(pending.priority, deque()).append(pending)
             self._in_flight.setdefault(pending.priority, None)
             if self._thread is None:
+                # The dispatcher and gloo's completion callbacks need the GIL to hand the wire to
+                # the next collective; at Python's default 5 ms switch interval a busy main thread
+                # would leave the link idle that long after every chunk.
+                if sys.getswitchinterval() > 5e-4:
+                    sys.setswitchinterval(5e-4)
                 self._thread = threading.Thread(target=self._loop, name="commfx-dispatcher", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
