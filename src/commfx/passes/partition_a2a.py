@@ -58,25 +58,13 @@ class PartitionA2A(Pass):
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
-        if options.k != "auto":
-            try:
-                chunks = int(options.k)
-            except ValueError:
-                raise PlanError(f"partition_a2a k must be an integer >= 1 or 'auto', got {options.k!r}") from None
-            if chunks < 1:
-                raise PlanError(f"partition_a2a k must be >= 1, got {chunks}")
+        _int_or_auto("k", options.k, 1, "k must be >= 1")
         if options.max_k < 1:
             raise PlanError(f"partition_a2a max_k must be >= 1, got {options.max_k}")
-        if options.grad_chunk_bytes != "auto":
-            try:
-                chunk = int(options.grad_chunk_bytes)
-            except ValueError:
-                raise PlanError(f"partition_a2a grad_chunk_bytes must be a byte count or 'auto', got {options.grad_chunk_bytes!r}") from None
-            if chunk < 1024:
-                raise PlanError(
-                    f"partition_a2a grad_chunk_bytes={chunk} is too small: every chunk is one collective with its "
-                    "own latency; use 1024 or more, or auto"
-                )
+        _int_or_auto(
+            "grad_chunk_bytes", options.grad_chunk_bytes, 1024,
+            "grad_chunk_bytes is too small: every chunk is one collective with its own latency; use 1024 or more, or auto",
+        )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         blocks = program.annotations.get("moe_blocks") or []
@@ -117,6 +105,17 @@ class PartitionA2A(Pass):
         )
         overhead = CHUNK_OVERHEAD_S["cuda" if down.is_cuda else "cpu"]
         return choose_chunks(region, plan.topology, max_k=options.max_k, chunk_overhead_s=overhead)
+
+
+def _int_or_auto(name: str, value: str, minimum: int, too_small: str) -> None:
+    if value == "auto":
+        return
+    try:
+        number = int(value)
+    except ValueError:
+        raise PlanError(f"partition_a2a {name} must be an integer >= {minimum} or 'auto', got {value!r}") from None
+    if number < minimum:
+        raise PlanError(f"partition_a2a {too_small} (got {number})")
 
 
 def _region(nodes: dict[str, fx.Node], block: dict) -> dict[str, fx.Node]:
