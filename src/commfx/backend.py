@@ -33,7 +33,7 @@ from .program import Program
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
 from .runtime.executor import BackwardExecutor, GraphExecutor
 from .runtime.grad_sync import GradientSync
-from .runtime.module import make_grad_sync
+from .runtime.module import configure_comm
 
 
 class CommfxBackend:
@@ -54,7 +54,7 @@ class CommfxBackend:
         run_passes(program, self.plan)
         # The user's parameters are full-size (experts sliced in-graph), so every gradient,
         # expert rows included, is summed over the world.
-        sync = make_grad_sync(
+        sync = configure_comm(
             program, self.plan, scheduler, program.gm.named_parameters(remove_duplicate=False), group_of=lambda _: "world"
         )
         self._syncs.append(sync)

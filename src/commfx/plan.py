@@ -128,6 +128,11 @@ class Plan:
         specs = tuple(PassSpec.parse(p) for p in _split_passes(passes))
         return cls(Topology(world_size=world_size, **topology), specs)
 
+    @property
+    def grad_scale(self) -> float:
+        """What summed replicated gradients are multiplied by (1/world under mean, like DDP)."""
+        return 1.0 / self.topology.world_size if self.grad_reduction == "mean" else 1.0
+
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]
 

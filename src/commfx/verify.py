@@ -110,7 +110,7 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
     from torch.utils import _pytree as pytree
 
     model, inputs = build_case_model(case)
-    scale = 1.0 / world_size if case.plan.grad_reduction == "mean" else 1.0
+    scale = case.plan.grad_scale  # the distributed run checks its world is the plan's
     capacity = case.plan.options_for("expert_parallel").capacity_factor if "expert_parallel" in case.plan.pass_names() else 0.0
     if capacity <= 0:
         outputs, _ = pytree.tree_flatten(model(*inputs))

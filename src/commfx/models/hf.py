@@ -17,6 +17,16 @@ from typing import Any
 
 import torch
 
+# Shared by the DeepSeek-style families: 8 routed experts (top-2) plus one shared expert, MoE from
+# the first layer on; and DeepSeek's multi-head latent attention, shrunk.
+_GROUPED_EXPERTS = dict(
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0
+)
+_MLA_ATTENTION = dict(
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4
+)
+
+
 __all__ = ["HF_FAMILIES", "HFFamily", "HFCausalLMLogits", "build_hf_moe", "hf_config"]
 
 # Shared tiny sizes. Token ids stay inside the vocabulary and no token is a padding index,
@@ -80,55 +90,13 @@ HF_FAMILIES: dict[str, HFFamily] = {
     "olmoe": HFFamily(dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16)),
     # 8 experts in 4 groups of 2, tokens may use 2 groups: group-limited routing really prunes.
     # The router's group score is the sum of the top-2 scores of a group, so groups need >= 2 experts.
-    "deepseek_v3": HFFamily(
-        dict(
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=0,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=4,
-            v_head_dim=8,
-            num_key_value_heads=4,
-        )
-    ),
+    "deepseek_v3": HFFamily(dict(**_GROUPED_EXPERTS, n_group=4, topk_group=2, **_MLA_ATTENTION)),
     # Same router as deepseek_v3 (sigmoid scores, group-limited), ordinary GQA attention.
-    "glm4_moe": HFFamily(
-        dict(
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=0,
-            head_dim=8,
-        )
-    ),
+    "glm4_moe": HFFamily(dict(**_GROUPED_EXPERTS, n_group=4, topk_group=2, head_dim=8)),
     # Softmax scores, "group_limited_greedy": keep the group with the best expert (2 groups of 4).
     # A group's score is its best expert, so with top-2 experts only topk_group=1 ever prunes.
     "deepseek_v2": HFFamily(
-        dict(
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            topk_method="group_limited_greedy",
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=0,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=4,
-            v_head_dim=8,
-            num_key_value_heads=4,
-        )
+        dict(**_GROUPED_EXPERTS, n_group=2, topk_group=1, topk_method="group_limited_greedy", **_MLA_ATTENTION)
     ),
     # Transposed, interleaved gate/up experts with biases and a clamped custom gate; attention sinks
     # (no sdpa support in HF, hence eager).

@@ -42,13 +42,14 @@ class GraphExecutor(fx.Interpreter):
 
     def run_node(self, node: fx.Node):
         start = time.perf_counter()
-        if is_collective(node):
+        collective = is_collective(node)
+        if collective:
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             value = self.call_collective(node, args, kwargs)
         else:
             value = super().run_node(node)
         if self.timeline is not None and node.op not in _UNTIMED and node.target is not operator.getitem:
-            self.timeline.compute(node, self.phase, start, time.perf_counter(), blocked=is_collective(node))
+            self.timeline.compute(node, self.phase, start, time.perf_counter(), blocked=collective)
         self.on_value(node, value)
         return value
 
@@ -79,9 +80,8 @@ class BackwardExecutor(GraphExecutor):
 
     def run(self, *args):
         outputs = list(super().run(*args))
-        with active(self.scheduler):
-            for slot, reduced in self.grad_sync.finish().items():
-                outputs[slot] = reduced
+        for slot, reduced in self.grad_sync.finish().items():
+            outputs[slot] = reduced
         return outputs
 
 

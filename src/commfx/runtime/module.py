@@ -32,7 +32,7 @@ class DistributedModule(torch.nn.Module):
         self.scheduler = scheduler
         self.placement = placement  # sharded parameter -> [start, stop) of the full dim 0 held here
         install_default(scheduler)
-        self.grad_sync = make_grad_sync(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
+        self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
         self._compiled: dict[tuple, object] = {}
 
@@ -71,9 +71,10 @@ class DistributedModule(torch.nn.Module):
             )
 
 
-def make_grad_sync(program: Program, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
-    """The gradient sync for `program`'s parameters (in aot_autograd's order), configured by
-    the plan (bucket size) and by `annotations["comm_schedule"]` (priority, chunk size)."""
+def configure_comm(program: Program, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
+    """Apply `program`'s comm schedule (`annotations["comm_schedule"]`, set by partition_a2a)
+    to `scheduler` (priority on or off) and return the gradient sync for `named_params`
+    (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
@@ -81,9 +82,8 @@ def make_grad_sync(program: Program, plan: Plan, scheduler: CommScheduler, named
         Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
         for name, param in named_params
     ]
-    scale = 1.0 / plan.topology.world_size if plan.grad_reduction == "mean" else 1.0
     return GradientSync(
-        slots, scheduler, scale=scale, bucket_bytes=plan.grad_bucket_bytes, chunk_bytes=schedule.get("grad_chunk_bytes", 0)
+        slots, scheduler, scale=plan.grad_scale, bucket_bytes=plan.grad_bucket_bytes, chunk_bytes=schedule.get("grad_chunk_bytes", 0)
     )
 
 

@@ -107,11 +107,6 @@ class Dispatcher:
             self._cond.notify_all()
         return pending
 
-    def busy(self, priority: str) -> bool:
-        """Whether a lane has anything queued or in flight."""
-        with self._cond:
-            return bool(self._lanes.get(priority)) or self._in_flight.get(priority) is not None
-
     def _next(self) -> Pending | None:
         """The next collective allowed on the wire, or None (caller holds the lock)."""
         busy_above = False

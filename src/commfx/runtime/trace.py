@@ -37,9 +37,6 @@ class Timeline:
 
     def __init__(self, rank: int):
         self.rank = rank
-        # Absolute monotonic time: every rank on one host (or emulated cluster) shares the
-        # clock, so merged traces line up.
-        self.origin = 0.0
         self.spans: list[ComputeSpan] = []
         self.steps: list[tuple[int, float, float]] = []
 
@@ -82,7 +79,9 @@ class Timeline:
             "name": name,
             "pid": self.rank,
             "tid": tid,
-            "ts": round((start - self.origin) * 1e6, 3),
+            # absolute monotonic time: ranks on one host (or emulated cluster) share the clock,
+            # so merged traces line up
+            "ts": round(start * 1e6, 3),
             "dur": round(max(end - start, 0.0) * 1e6, 3),
             "args": args,
         }
