@@ -47,6 +47,9 @@ def test_verify_from_the_command_line(capsys):
         (["dump", "gpt-moe", "--world-size", "3"], "do not divide evenly over expert-parallel size 3"),
         (["dump", "no-such-model"], "unknown model 'no-such-model'"),
         (["dump", "hf:nope"], "nope"),
+        (["dump", "gpt-moe", "--passes", "lift,expert_parallel,partition_a2a:k=0"], "partition_a2a k must be >= 1"),
+        (["bench", "gpt-moe-tiny", "--also", "no-equals-sign"], "must be LABEL=PASSES"),
+        (["bench", "gpt-moe-tiny", "--vs", "lift", "--also", "baseline=lift"], "labels must be distinct"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):

@@ -150,3 +150,59 @@ def test_gradient_chunks_grow_with_latency_so_latency_stays_a_small_share():
     assert 6e-3 / (6e-3 + wire) == pytest.approx(0.1, abs=0.005)
     assert grad_chunk_bytes(Topology(world_size=4, ranks_per_node=2, inter_node_bandwidth=25e6, inter_node_latency_s=0)) == 64 * 1024
     assert grad_chunk_bytes(Topology(world_size=1)) == 64 * 1024
+
+
+# ------------------------------------------------------------------------------ error paths
+
+
+def _distributed_program(passes="lift,expert_parallel"):
+    model, inputs = load_model("gpt-moe-tiny")
+    plan = Plan.from_cli(passes, world_size=2)
+    return compile_program(model, plan, inputs), plan
+
+
+def test_partition_on_a_region_expert_parallel_did_not_make_says_where_to_run_it():
+    from commfx.passes import PassError
+    from commfx.passes.partition_a2a import PartitionA2A
+
+    model, inputs = load_model("gpt-moe-tiny")
+    plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=2)
+    lifted = compile_program(model, plan, inputs, stop_after="lift")
+    with pytest.raises(PassError, match="run partition_a2a directly after expert_parallel"):
+        PartitionA2A().run(lifted, plan.options_for("partition_a2a"), plan)
+
+
+def test_auto_k_without_a_token_count_is_an_error():
+    from commfx.passes import PassError
+    from commfx.passes.partition_a2a import PartitionA2A
+
+    program, _ = _distributed_program()
+    program.annotations.pop("tokens_per_rank")
+    plan = Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=2)
+    with pytest.raises(PassError, match="k=auto needs the tokens per rank"):
+        PartitionA2A().run(program, plan.options_for("partition_a2a"), plan)
+
+
+def test_verifier_rejects_an_unregistered_priority_class():
+    from commfx.passes import PassError, verify_graph
+
+    program, plan = _distributed_program()
+    a2a = next(n for n in program.graph.nodes if n.target is commfx.all_to_all.default)
+    a2a.args = (*a2a.args[:4], "urgent", "")
+    with pytest.raises(PassError, match="priority class 'urgent', which is not registered"):
+        verify_graph(program, plan)
+
+
+def test_ranks_that_built_different_collectives_are_stopped_with_the_difference():
+    from commfx.api import _check_same_graph, collective_skeleton
+
+    program, _ = _distributed_program()
+    mine = collective_skeleton(program.gm)
+    assert "commfx.all_to_all.default" in mine
+
+    class TwoRanks:  # rank 1 skipped a collective
+        def all_gather_object(self, obj):
+            return [obj, obj.split("\n", 1)[1]]
+
+    with pytest.raises(PlanError, match=r"rank 0 and rank 1 rewrote the model into graphs with different collectives"):
+        _check_same_graph(TwoRanks(), program)

@@ -146,3 +146,15 @@ def test_local_scheduler_has_groups_for_every_class():
     assert scheduler.group("world", "grad").name == "grad/world"
     with pytest.raises(CommError, match="not in the plan"):
         scheduler.group("tp")
+
+
+def test_a_class_registered_after_the_groups_were_built_is_refused_with_the_fix():
+    from commfx.runtime.priority import PRIORITY_CLASSES
+
+    scheduler = local_scheduler()
+    register_priority_class("late-test-class", 50, "registered after the scheduler was built")
+    try:
+        with pytest.raises(CommError, match="has no process groups of its own; register it"):
+            scheduler.group("world", "late-test-class")
+    finally:
+        del PRIORITY_CLASSES["late-test-class"]
