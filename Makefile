@@ -22,7 +22,10 @@ demo: install
 	mkdir -p out
 	$(VENV)/bin/commfx run gpt-moe --passes lift,expert_parallel --world-size 4 --steps 5 --dump out/graph.txt --json out/demo.json
 
+# The layout's import rules (pyproject.toml, [tool.importlinter]) first: a broken rule
+# fails with the import chain named, before the (longer) test run.
 test: install system-deps
+	PYTHONPATH=src $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:

@@ -1,4 +1,4 @@
-"""Smoke tests of `commfx bench` (commfx.bench, commfx.cli.bench).
+"""Smoke tests of `commfx bench` (commfx.bench.harness, commfx.cli.bench).
 
 The bench runs in a subprocess (the real command line, bounded in time) on a 2-node x
 1-rank cluster with the tiny model. Bytes are checked against an analytic count: in
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from commfx.bench import Timing, _cluster_times
+from commfx.bench.harness import Timing, _cluster_times
 from commfx.models import load_model
 from commfx.ops.moe import expert_capacity
-from commfx.runtime.cluster import namespace_problem, list_run_namespaces
+from commfx.bench.cluster import namespace_problem, list_run_namespaces
 
 pytestmark = pytest.mark.distributed
 
@@ -137,8 +137,8 @@ def test_cluster_times_from_shared_clock():
 
 
 def test_build_config_takes_extra_plans_and_puts_link_figures_in_their_topology():
-    from commfx.bench import build_config
-    from commfx.runtime.cluster import LinkSpec
+    from commfx.bench.harness import build_config
+    from commfx.bench.cluster import LinkSpec
 
     config = build_config(
         "gpt-moe-tiny", "lift,expert_parallel,partition_a2a", "lift,expert_parallel", nodes=2, ranks_per_node=1,

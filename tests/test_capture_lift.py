@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commfx.api import compile_program
-from commfx.capture import CaptureError, capture
+from commfx.compiler.capture import CaptureError, capture
 from commfx.models import load_model
 from commfx.plan import Plan
 from commfx.runtime.comm import install_default, local_scheduler

@@ -1,4 +1,4 @@
-"""Tests of commfx.runtime.cluster (emulated multi-node cluster) and calibrate.
+"""Tests of commfx.bench.cluster (emulated multi-node cluster) and calibrate.
 
 The emulation tests need root and iproute2 (`ip`, `tc`); without them they FAIL with a
 message saying so (set COMMFX_SKIP_NETNS=1 to skip them instead, e.g. on a laptop).
@@ -21,13 +21,13 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 try:
-    import commfx.runtime.cluster  # noqa: F401
+    import commfx.bench.cluster  # noqa: F401
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(SRC))
 
-from commfx.runtime import calibrate
-from commfx.runtime import cluster as cl
-from commfx.runtime.cluster import (
+from commfx.bench import calibrate
+from commfx.bench import cluster as cl
+from commfx.bench.cluster import (
     namespace_problem,
     ClusterError,
     ClusterUnavailable,
@@ -187,7 +187,7 @@ def test_cleanup_after_exception(netns):
 _CHILD = r"""
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
-from commfx.runtime.cluster import EmulatedCluster, LinkSpec
+from commfx.bench.cluster import EmulatedCluster, LinkSpec
 with EmulatedCluster(2, 2, LinkSpec("100mbit", "1ms"), allow_fallback=False) as c:
     print(c.tag, c._ifp, c._delay_proc.pid if c._delay_proc else 0, flush=True)
     time.sleep(60)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from commfx.api import compile_program
-from commfx.lower import lower
+from commfx.compiler.lower import lower
 from commfx.models import BUILTIN_MODELS, load_model
 from commfx.plan import Plan
-from commfx.render import render
+from commfx.compiler.render import render
 
 GOLDEN = Path(__file__).parent / "golden"
 STAGES = ("lifted", "distributed", "forward", "backward")

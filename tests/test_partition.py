@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 import commfx.ops  # noqa: F401
 from commfx.api import compile_program
-from commfx.cost_model import (
+from commfx.passes.cost_model import (
     STEP_TIME, B, F, MoERegion, alpha, beta, choose_chunks, gamma, grad_chunk_bytes, k, phi, predicted_times, region_time,
 )
 from commfx.models import load_model
+from commfx.passes import check_plan, plan_options
 from commfx.plan import Plan, PlanError, Topology
 
 commfx = torch.ops.commfx
@@ -112,13 +113,13 @@ def test_bad_options_fail_at_plan_validation(options, message):
     model, _ = load_model("gpt-moe-tiny")
     plan = Plan.from_cli(f"lift,expert_parallel,partition_a2a:{options}", world_size=2)
     with pytest.raises(PlanError, match=message):
-        plan.validate(model)
+        check_plan(plan, model)
 
 
 def test_partition_needs_expert_parallel_first():
     model, _ = load_model("gpt-moe-tiny")
     with pytest.raises(PlanError, match="needs .*expert_parallel"):
-        Plan.from_cli("lift,partition_a2a", world_size=2).validate(model)
+        check_plan(Plan.from_cli("lift,partition_a2a", world_size=2), model)
 
 
 def test_more_chunks_than_tokens_is_a_plan_error():
@@ -169,7 +170,7 @@ def test_partition_on_a_region_expert_parallel_did_not_make_says_where_to_run_it
     plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=2)
     lifted = compile_program(model, plan, inputs, stop_after="lift")
     with pytest.raises(PassError, match="run partition_a2a directly after expert_parallel"):
-        PartitionA2A().run(lifted, plan.options_for("partition_a2a"), plan)
+        PartitionA2A().run(lifted, plan_options(plan, "partition_a2a"), plan)
 
 
 def test_auto_k_without_a_token_count_is_an_error():
@@ -180,7 +181,7 @@ def test_auto_k_without_a_token_count_is_an_error():
     program.annotations.pop("tokens_per_rank")
     plan = Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=2)
     with pytest.raises(PassError, match="k=auto needs the tokens per rank"):
-        PartitionA2A().run(program, plan.options_for("partition_a2a"), plan)
+        PartitionA2A().run(program, plan_options(plan, "partition_a2a"), plan)
 
 
 def test_verifier_rejects_an_unregistered_priority_class():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from commfx.models import load_model
+from commfx.passes import check_plan, plan_options
 from commfx.plan import PassSpec, Plan, PlanError, Topology
 
 
@@ -15,44 +16,44 @@ def test_pass_spec_parses_options():
     spec = PassSpec.parse("expert_parallel:capacity_factor=1.5")
     assert spec == PassSpec("expert_parallel", {"capacity_factor": "1.5"})
     plan = Plan.from_cli("lift,expert_parallel:capacity_factor=1.5", world_size=2)
-    assert plan.options_for("expert_parallel").capacity_factor == 1.5
+    assert plan_options(plan, "expert_parallel").capacity_factor == 1.5
 
 
 def test_unknown_pass_lists_registered_ones():
     with pytest.raises(PlanError, match=r"unknown pass 'nope'.*lift, expert_parallel"):
-        Plan.from_cli("lift,nope", world_size=2).validate()
+        check_plan(Plan.from_cli("lift,nope", world_size=2))
 
 
 def test_unknown_option_lists_valid_options():
     with pytest.raises(PlanError, match=r"has no option speed; its options are: capacity_factor"):
-        Plan.from_cli("lift,expert_parallel:speed=3", world_size=2).validate()
+        check_plan(Plan.from_cli("lift,expert_parallel:speed=3", world_size=2))
 
 
 def test_option_of_wrong_type():
     with pytest.raises(PlanError, match=r"capacity_factor='fast'.*must be of type float"):
-        Plan.from_cli("lift,expert_parallel:capacity_factor=fast", world_size=2).validate()
+        check_plan(Plan.from_cli("lift,expert_parallel:capacity_factor=fast", world_size=2))
 
 
 def test_pass_order_is_checked():
     with pytest.raises(PlanError, match=r"needs lift before it; for example --passes lift,expert_parallel"):
-        Plan.from_cli("expert_parallel", world_size=2).validate()
+        check_plan(Plan.from_cli("expert_parallel", world_size=2))
 
 
 def test_experts_not_divisible_by_ep():
     model = gpt(num_experts=6)
     with pytest.raises(PlanError, match=r"has 6 experts, which do not divide evenly over expert-parallel size 4"):
-        Plan.from_cli("lift,expert_parallel", world_size=4).validate(model)
+        check_plan(Plan.from_cli("lift,expert_parallel", world_size=4), model)
 
 
 def test_ep_must_divide_world():
     with pytest.raises(PlanError, match=r"expert-parallel size 3 must divide the world size 4; choose ep from \[1, 2, 4\]"):
-        Plan(Topology(world_size=4, ep=3)).validate()
+        check_plan(Plan(Topology(world_size=4, ep=3)))
 
 
 def test_expert_parallel_on_model_without_moe():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with pytest.raises(PlanError, match=r"expert_parallel was requested but Sequential has no MoE block"):
-        Plan.from_cli("lift,expert_parallel", world_size=2).validate(mlp)
+        check_plan(Plan.from_cli("lift,expert_parallel", world_size=2), mlp)
 
 
 def test_process_groups_of_a_topology():

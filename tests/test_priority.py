@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from commfx.runtime.comm import CommError, local_scheduler
-from commfx.runtime.priority import Dispatcher, Pending, priority_class, register_priority_class
+from commfx.plan import priority_class, register_priority_class
+from commfx.runtime.priority import Dispatcher, Pending
 
 
 class FakeWork:
@@ -149,7 +150,7 @@ def test_local_scheduler_has_groups_for_every_class():
 
 
 def test_a_class_registered_after_the_groups_were_built_is_refused_with_the_fix():
-    from commfx.runtime.priority import PRIORITY_CLASSES
+    from commfx.plan import PRIORITY_CLASSES
 
     scheduler = local_scheduler()
     register_priority_class("late-test-class", 50, "registered after the scheduler was built")

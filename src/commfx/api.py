@@ -1,4 +1,5 @@
-"""The Python API: compile a model with a plan, or distribute it over the current world."""
+"""The Python API: distribute a model over the current world (and, re-exported, compile it
+with a plan in one process: `commfx.compile_program`)."""
 
 from __future__ import annotations
 
@@ -7,33 +8,15 @@ import difflib
 import torch
 import torch.distributed as dist
 
-from .capture import capture, tokens_of
-from .passes import run_passes
+from .compiler.capture import tokens_of
+from .compiler.lower import compile_training
+from .compiler.pipeline import compile_program
+from .compiler.program import Program
+from .compiler.sharding import shard_parameters
 from .plan import Plan, PlanError
-from .program import Program
-from .runtime.executor import is_collective
 from .runtime.comm import CommScheduler, build_groups
-from .runtime.module import DistributedModule, shard_parameters
-
-
-def compile_program(
-    model: torch.nn.Module,
-    plan: Plan,
-    example_inputs: tuple[torch.Tensor, ...],
-    *,
-    stop_after: str | None = None,
-    tokens_per_rank: int | None = None,
-) -> Program:
-    """Validate the plan, capture the model and run the plan's passes (single process).
-
-    `tokens_per_rank` overrides what cost models assume (default: the example's tokens);
-    `distribute` passes the world's largest so every rank makes the same choices.
-    """
-    plan.validate(model)
-    program = capture(model, tuple(example_inputs))
-    if tokens_per_rank is not None:
-        program.annotations["tokens_per_rank"] = tokens_per_rank
-    return run_passes(program, plan, stop_after=stop_after)
+from .runtime.executor import is_collective
+from .runtime.module import DistributedModule
 
 
 def distribute(model: torch.nn.Module, plan: Plan, example_inputs: tuple[torch.Tensor, ...]) -> DistributedModule:
@@ -61,7 +44,7 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs: tuple[torch.T
     program = compile_program(model, plan, example_inputs, tokens_per_rank=tokens)
     _check_same_graph(scheduler, program)
     placement = shard_parameters(program, groups["ep"].rank)
-    return DistributedModule(program, plan, scheduler, placement)
+    return DistributedModule(program, plan, scheduler, placement, compile_training)
 
 
 def _check_same_graph(scheduler: CommScheduler, program: Program) -> None:

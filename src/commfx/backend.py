@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import to_fx_convention, tokens_of
-from .lower import compile_training
-from .passes import run_passes
+from .compiler.capture import to_fx_convention, tokens_of
+from .compiler.lower import compile_training
+from .compiler.program import Program
+from .passes import check_plan, run_passes
 from .plan import PassSpec, Plan, PlanError
-from .program import Program
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
 from .runtime.executor import BackwardExecutor, GraphExecutor
 from .runtime.grad_sync import GradientSync
@@ -39,7 +39,7 @@ from .runtime.module import configure_comm
 class CommfxBackend:
     def __init__(self, plan: Plan):
         self.plan = _shard_in_graph(plan)
-        self.plan.validate()
+        check_plan(self.plan)
         self.programs: list[Program] = []
         # Per compiled graph: {"forward": gm, "backward": gm}; backward appears at the first backward.
         self.graphs: list[dict[str, fx.GraphModule]] = []

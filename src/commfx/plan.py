@@ -1,17 +1,17 @@
-"""The plan: a topology plus an ordered pass list, validated before anything is traced.
+"""The plan: a topology plus an ordered pass list, and the vocabulary passes and runtime share.
 
-Bad plans fail here with a message that says what is wrong and how to fix it, so a user
-never waits for a capture (or a multi-process launch) to learn that 6 experts cannot be
-split over 4 ranks.
+This module knows no pass. Passes and the runtime both import it, so the words they must
+agree on live here: the topology and its process groups, and the priority classes that a
+pass tags collectives with and the runtime's scheduler enforces. The pass manager
+(`commfx.passes.check_plan`) checks a plan against the registered passes before anything is
+traced, so a user never waits for a capture (or a multi-process launch) to learn that 6
+experts cannot be split over 4 ranks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 
 class PlanError(ValueError):
@@ -136,35 +136,17 @@ class Plan:
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]
 
-    def options_for(self, name: str):
-        """The typed options dataclass of pass `name` (validated)."""
-        from .passes import get_pass
-
-        spec = next((p for p in self.passes if p.name == name), PassSpec(name))
-        return build_options(get_pass(name), spec.options)
-
-    def validate(self, model: torch.nn.Module | None = None) -> "Plan":
-        """Check names, options, topology and (given the model) what the passes need of it."""
-        from .passes import get_pass
-
+    def validate(self) -> "Plan":
+        """Check the topology and the plan's own fields (the pass manager's `check_plan`
+        checks the passes against the registry and the model)."""
         self.topology.validate()
         if self.grad_reduction not in ("mean", "sum"):
             raise PlanError(f"grad_reduction must be 'mean' or 'sum', got {self.grad_reduction!r}")
-        seen: set[str] = set()
-        for spec in self.passes:
-            pass_cls = get_pass(spec.name)
-            if spec.name in seen:
-                raise PlanError(f"pass {spec.name!r} appears twice in the plan; list it once")
-            seen.add(spec.name)
-            missing = [r for r in pass_cls.requires_passes if r not in seen]
-            if missing:
-                raise PlanError(
-                    f"pass {spec.name!r} needs {', '.join(missing)} before it; "
-                    f"for example --passes {','.join(missing + [spec.name])}"
-                )
-            options = build_options(pass_cls, spec.options)
-            pass_cls.check_plan(self, options, model)
         return self
+
+    def spec_for(self, name: str) -> "PassSpec":
+        """The plan's spec of pass `name` (no options if the plan does not list it)."""
+        return next((p for p in self.passes if p.name == name), PassSpec(name))
 
 
 def _split_passes(text: str) -> list[str]:
@@ -172,33 +154,41 @@ def _split_passes(text: str) -> list[str]:
     return [p for p in (part.strip() for part in text.split(",")) if p]
 
 
-def build_options(pass_cls, raw: dict[str, Any]):
-    """Turn a dict of (possibly string) values into the pass's options dataclass."""
-    options_cls = pass_cls.Options
-    fields = {f.name: f for f in dataclasses.fields(options_cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        valid = ", ".join(sorted(fields)) or "none"
-        raise PlanError(f"pass {pass_cls.name!r} has no option {', '.join(unknown)}; its options are: {valid}")
-    values = {}
-    for key, value in raw.items():
-        values[key] = _coerce(pass_cls.name, key, value, fields[key])
-    return options_cls(**values)
+# --------------------------------------------------------------------- priority classes
+# Lina's rule: all-to-all blocks compute (experts wait for their tokens), gradient
+# all-reduce does not. Passes tag every collective with a class; the runtime's scheduler
+# (`commfx.runtime.priority`) gives each class a lane. The names live here so a pass can
+# tag and the verifier can check without either importing the runtime.
 
 
-def _coerce(pass_name: str, key: str, value: Any, f: dataclasses.Field) -> Any:
-    if not isinstance(value, str):
-        return value
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    level: int  # lower issues first
+    description: str
+
+
+PRIORITY_CLASSES: dict[str, PriorityClass] = {}
+# Control traffic (count exchanges, barriers) rides with the all-to-alls: it is on the
+# critical path too, and sharing their lane keeps one FIFO per process group.
+DEFAULT_CLASS = "a2a"
+
+
+def register_priority_class(name: str, level: int, description: str) -> PriorityClass:
+    """Add a class (passes that bring their own traffic call this at import)."""
+    existing = PRIORITY_CLASSES.get(name)
+    if existing is not None and existing.level != level:
+        raise ValueError(f"priority class {name!r} already registered with level {existing.level}")
+    PRIORITY_CLASSES[name] = PriorityClass(name, level, description)
+    return PRIORITY_CLASSES[name]
+
+
+def priority_class(name: str) -> PriorityClass:
     try:
-        if kind.startswith("bool"):
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes")
-        if kind.startswith("int"):
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
-    except ValueError:
-        raise PlanError(f"option {key}={value!r} of pass {pass_name!r} must be of type {kind}") from None
-    return value
+        return PRIORITY_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"unknown priority class {name!r} (known: {', '.join(sorted(PRIORITY_CLASSES))})") from None
+
+
+register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
+register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")

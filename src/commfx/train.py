@@ -37,7 +37,7 @@ def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .api import distribute
-    from .render import render
+    from .compiler.render import render
     from .verify import split_batch
 
     kwargs = {"batch": config.batch} if config.batch else {}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .models import load_model
+from .passes import check_plan, plan_options
 from .plan import Plan
 
 DEFAULT_TOLERANCE = 1e-10
@@ -111,7 +112,7 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
 
     model, inputs = build_case_model(case)
     scale = case.plan.grad_scale  # the distributed run checks its world is the plan's
-    capacity = case.plan.options_for("expert_parallel").capacity_factor if "expert_parallel" in case.plan.pass_names() else 0.0
+    capacity = plan_options(case.plan, "expert_parallel").capacity_factor if "expert_parallel" in case.plan.pass_names() else 0.0
     if capacity <= 0:
         outputs, _ = pytree.tree_flatten(model(*inputs))
         loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
@@ -123,7 +124,7 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
 def _capacity_reference(case, model, inputs, world_size, scale, capacity):
     from torch.utils import _pytree as pytree
 
-    from .api import compile_program
+    from .compiler.pipeline import compile_program
     from .passes.expert_parallel import set_capacity
     from .plan import PassSpec, Topology
     from .runtime.comm import install_default, local_scheduler
@@ -172,6 +173,6 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
     for case in cases:
         if case.plan.topology.world_size != world_size:
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
-        case.plan.validate(build_case_model(case)[0])
+        check_plan(case.plan, build_case_model(case)[0])
     results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s)
     return [compare(case, [r[i] for r in results], world_size, tolerance) for i, case in enumerate(cases)]

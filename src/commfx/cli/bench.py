@@ -93,8 +93,8 @@ def _number(text: str):
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..bench import build_config, render, run_bench
-    from ..runtime.cluster import LinkSpec
+    from ..bench.harness import build_config, render, run_bench
+    from ..bench.cluster import LinkSpec
 
     console = Console(highlight=False)
     link = None if args.inter_node.strip().lower() == "none" else LinkSpec.parse(args.inter_node)

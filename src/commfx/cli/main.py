@@ -44,9 +44,9 @@ def cmd_passes(args) -> int:
 
 
 def cmd_dump(args) -> int:
-    from ..api import compile_program
+    from ..compiler.pipeline import compile_program
     from ..models import load_model
-    from ..render import render
+    from ..compiler.render import render
 
     plan = _plan(args)
     model, inputs = load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))
@@ -55,7 +55,7 @@ def cmd_dump(args) -> int:
         raise PlanError("--stage lifted needs lift in --passes")
     program = compile_program(model, plan, inputs, stop_after=stop)
     if args.stage in ("forward", "backward"):
-        from ..lower import lower
+        from ..compiler.lower import lower
 
         lowered = lower(program, inputs)
         gm = lowered.forward if args.stage == "forward" else lowered.backward
@@ -102,8 +102,9 @@ def cmd_run(args) -> int:
 
     plan = _plan(args)
     from ..models import load_model
+    from ..passes import check_plan
 
-    plan.validate(load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))[0])
+    check_plan(plan, load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))[0])
     config = TrainConfig(
         args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace
     )
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..capture import CaptureError
+    from ..compiler.capture import CaptureError
     from ..passes import PassError
     from ..runtime.launcher import LaunchError
 

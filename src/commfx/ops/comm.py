@@ -109,7 +109,7 @@ local_shard.register_autograd(
 # Split-phase all-to-all, as in torch's functional collectives: `all_to_all_start` queues
 # the exchange and returns its output buffer, `wait_tensor` returns the same buffer once it
 # is filled. They exist only in lowered (post-autograd) graphs, made by
-# `commfx.overlap.overlap_collectives`, so they need no autograd or fake implementation.
+# `commfx.passes.schedule.overlap.overlap_collectives`, so they need no autograd or fake implementation.
 _lib = torch.library.Library("commfx", "FRAGMENT")
 _lib.define(
     "all_to_all_start(Tensor x, Tensor send_counts, Tensor recv_counts, str group, str priority, str tag) -> Tensor"

@@ -13,9 +13,8 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from ..plan import Plan, PlanError
-from ..program import Program
-from ..runtime.priority import DEFAULT_CLASS, PRIORITY_CLASSES
+from ..compiler.program import Program
+from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Plan, PlanError
 
 
 class PassError(RuntimeError):
@@ -62,6 +61,61 @@ def get_pass(name: str) -> type[Pass]:
         raise PlanError(f"unknown pass {name!r}; registered passes: {', '.join(REGISTRY)} (see `commfx passes`)") from None
 
 
+def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
+    """Check a plan before anything is traced: its topology, that every pass exists, comes
+    once and after the passes it needs, that its options parse, and (given the model) that
+    each pass fits it. Errors say what is wrong and how to fix it."""
+    plan.validate()
+    seen: set[str] = set()
+    for spec in plan.passes:
+        pass_cls = get_pass(spec.name)
+        if spec.name in seen:
+            raise PlanError(f"pass {spec.name!r} appears twice in the plan; list it once")
+        seen.add(spec.name)
+        missing = [r for r in pass_cls.requires_passes if r not in seen]
+        if missing:
+            raise PlanError(
+                f"pass {spec.name!r} needs {', '.join(missing)} before it; "
+                f"for example --passes {','.join(missing + [spec.name])}"
+            )
+        pass_cls.check_plan(plan, build_options(pass_cls, spec.options), model)
+    return plan
+
+
+def plan_options(plan: Plan, name: str):
+    """The typed options dataclass of pass `name` as the plan sets them (validated)."""
+    return build_options(get_pass(name), plan.spec_for(name).options)
+
+
+def build_options(pass_cls: type[Pass], raw: dict[str, Any]):
+    """Turn a dict of (possibly string) values into the pass's options dataclass."""
+    options_cls = pass_cls.Options
+    fields = {f.name: f for f in dataclasses.fields(options_cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        valid = ", ".join(sorted(fields)) or "none"
+        raise PlanError(f"pass {pass_cls.name!r} has no option {', '.join(unknown)}; its options are: {valid}")
+    return options_cls(**{key: _coerce(pass_cls.name, key, value, fields[key]) for key, value in raw.items()})
+
+
+def _coerce(pass_name: str, key: str, value: Any, f: dataclasses.Field) -> Any:
+    if not isinstance(value, str):
+        return value
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("bool"):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except ValueError:
+        raise PlanError(f"option {key}={value!r} of pass {pass_name!r} must be of type {kind}") from None
+    return value
+
+
 def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None) -> Program:
     """Run the plan's passes in order, verifying the graph after each one."""
     for spec in plan.passes:
@@ -69,7 +123,7 @@ def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None) -
         missing = [fact for fact in pass_cls.requires if fact not in program.facts]
         if missing:
             raise PassError(f"pass {spec.name!r} requires {', '.join(missing)}; run the pass that establishes it first")
-        options = plan.options_for(spec.name)
+        options = plan_options(plan, spec.name)
         changed = pass_cls().run(program, options, plan)
         program.facts.update(pass_cls.ensures)
         program.history.append(f"{spec.name}: {'changed' if changed else 'no change'}")

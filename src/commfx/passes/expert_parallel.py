@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..plan import Plan, PlanError
-from ..program import Program, stamp
+from ..compiler.program import Program, stamp
 from .base import Pass, PassError, register
 from .lift import find_experts_modules
 

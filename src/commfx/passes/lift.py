@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..plan import Plan
-from ..program import Program, module_paths, stamp
+from ..compiler.program import Program, module_paths, stamp
 from .base import Pass, PassError, register
 
 commfx = torch.ops.commfx

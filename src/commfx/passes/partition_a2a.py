@@ -27,9 +27,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
+from .cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
 from ..plan import Plan, PlanError
-from ..program import Program, stamp
+from ..compiler.program import Program, stamp
 from .base import Pass, PassError, register
 
 commfx = torch.ops.commfx

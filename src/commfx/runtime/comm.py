@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..plan import Topology
-from .priority import DEFAULT_CLASS, PRIORITY_CLASSES, Dispatcher, Pending
+from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Topology
+from .priority import Dispatcher, Pending
 
 
 class CommError(RuntimeError):
@@ -98,7 +98,7 @@ class CommScheduler:
                 raise CommError(f"process group {name!r} is not in the plan (known: {', '.join(sorted(self.groups))})") from None
             raise CommError(
                 f"priority class {priority!r} has no process groups of its own; register it "
-                "(commfx.runtime.priority.register_priority_class) before the runtime builds its groups"
+                "(commfx.plan.register_priority_class) before the runtime builds its groups"
             ) from None
 
     # -- collectives -------------------------------------------------------------------

@@ -1,31 +1,53 @@
 """The per-rank module `commfx.distribute` returns.
 
 It owns the rewritten graph with only this rank's expert shards (memory is really
-sharded). On the first call for an input shape it lowers the graph (aot_autograd forward
-and backward, scheduled by `overlap_collectives`) and from then on runs both through the
-graph executor; gradients are reduced by `GradientSync` as the backward graph produces
+sharded). The runtime never compiles: on the first call for an input shape it hands the
+graph to the compile function it was given (the compiler wing's `compile_training`:
+aot_autograd forward and backward, scheduled) and from then on runs both graphs through
+the graph executor; gradients are reduced by `GradientSync` as the backward graph produces
 them. Its state_dict holds the local parameters under the original names (prefixed
 `module.`, as with DDP) plus the expert placement, which loading checks.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..plan import Plan
-from ..program import Program
 from .comm import CommScheduler, install_default
 from .executor import BackwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
 from .trace import Timeline
 
 
+class CompiledModel(Protocol):
+    """What the runtime needs of a rewritten model (the compiler's `Program` is one)."""
+
+    gm: fx.GraphModule
+    out_spec: pytree.TreeSpec  # rebuilds the model's output from the graph's flat outputs
+    annotations: dict[str, Any]  # "shards" and "comm_schedule", written by the passes
+
+
+# (graph module, example inputs, forward=runner, backward=runner) -> differentiable callable;
+# a runner takes a lowered graph and returns what runs it.
+CompileTraining = Callable[..., Callable]
+
+
 class DistributedModule(torch.nn.Module):
-    def __init__(self, program: Program, plan: Plan, scheduler: CommScheduler, placement: dict[str, list[int]]):
+    def __init__(
+        self,
+        program: CompiledModel,
+        plan: Plan,
+        scheduler: CommScheduler,
+        placement: dict[str, list[int]],
+        compile_training: CompileTraining,
+    ):
         super().__init__()
+        self._compile_training = compile_training
         self.module = program.gm
         self.program = program
         self.plan = plan
@@ -45,15 +67,13 @@ class DistributedModule(torch.nn.Module):
         return pytree.tree_unflatten(list(flat), self.program.out_spec)
 
     def _compile(self, inputs):
-        from ..lower import compile_training  # imported here: lower imports this module
-
         def forward(gm):
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline).run(*args)
 
         def backward(gm):
             return lambda *args: BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
 
-        return compile_training(self.module, inputs, forward=forward, backward=backward)
+        return self._compile_training(self.module, inputs, forward=forward, backward=backward)
 
     @property
     def comm_stats(self):
@@ -71,7 +91,7 @@ class DistributedModule(torch.nn.Module):
             )
 
 
-def configure_comm(program: Program, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
+def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
     """Apply `program`'s comm schedule (`annotations["comm_schedule"]`, set by partition_a2a)
     to `scheduler` (priority on or off) and return the gradient sync for `named_params`
     (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
@@ -85,18 +105,3 @@ def configure_comm(program: Program, plan: Plan, scheduler: CommScheduler, named
     return GradientSync(
         slots, scheduler, scale=plan.grad_scale, bucket_bytes=plan.grad_bucket_bytes, chunk_bytes=schedule.get("grad_chunk_bytes", 0)
     )
-
-
-def shard_parameters(program: Program, ep_rank: int) -> dict[str, list[int]]:
-    """Replace every sharded parameter in the graph module by this rank's slice of it."""
-    placement = {}
-    for target, spec in program.annotations.get("shards", {}).items():
-        owner_path, _, leaf = target.rpartition(".")
-        owner = program.gm.get_submodule(owner_path) if owner_path else program.gm
-        full = getattr(owner, leaf)
-        size = full.shape[spec["dim"]] // spec["parts"]
-        start = ep_rank * size
-        local = full.detach().narrow(spec["dim"], start, size).clone()
-        setattr(owner, leaf, torch.nn.Parameter(local, requires_grad=full.requires_grad))
-        placement[target] = [start, start + size]
-    return placement

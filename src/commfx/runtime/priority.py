@@ -28,38 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-
-@dataclass(frozen=True)
-class PriorityClass:
-    name: str
-    level: int  # lower issues first
-    description: str
-
-
-# Control traffic (count exchanges, barriers) rides with the all-to-alls: it is on the
-# critical path too, and sharing their lane keeps one FIFO per process group.
-PRIORITY_CLASSES: dict[str, PriorityClass] = {}
-DEFAULT_CLASS = "a2a"
-
-
-def register_priority_class(name: str, level: int, description: str) -> PriorityClass:
-    """Add a class (passes that bring their own traffic call this at import)."""
-    existing = PRIORITY_CLASSES.get(name)
-    if existing is not None and existing.level != level:
-        raise ValueError(f"priority class {name!r} already registered with level {existing.level}")
-    PRIORITY_CLASSES[name] = PriorityClass(name, level, description)
-    return PRIORITY_CLASSES[name]
-
-
-register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
-register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")
-
-
-def priority_class(name: str) -> PriorityClass:
-    try:
-        return PRIORITY_CLASSES[name]
-    except KeyError:
-        raise ValueError(f"unknown priority class {name!r} (known: {', '.join(sorted(PRIORITY_CLASSES))})") from None
+from ..plan import PRIORITY_CLASSES, priority_class
 
 
 @dataclass(eq=False)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from .priority import PRIORITY_CLASSES, Pending
+from ..plan import PRIORITY_CLASSES
+from .priority import Pending
 
 TRACK_COMPUTE, TRACK_BLOCKED = 1, 2
 _TRACK_NAMES = {TRACK_COMPUTE: "compute", TRACK_BLOCKED: "blocked on communication"}

@@ -34,7 +34,7 @@ and qdiscs live in namespaces this module creates, and the address plan
 leave).  Host-visible are only the ``/run/netns/<name>`` handles of ``ip netns`` and
 ``/etc/netns/<node ns>/hosts`` files (see below).  Everything is removed on exit, on an
 exception and on SIGINT/SIGTERM/SIGHUP; :func:`cleanup_stale` removes leftovers of runs
-whose process died (SIGKILL); ``python -m commfx.runtime.cluster --cleanup-stale`` too.
+whose process died (SIGKILL); ``python -m commfx.bench.cluster --cleanup-stale`` too.
 
 When namespaces cannot be made (not root, no ``ip`` binary, kernel refuses) the cluster
 falls back to plain localhost (``emulated`` is False, ``reason`` says why), unless
@@ -686,7 +686,7 @@ class EmulatedCluster:
                     self._created = failed
                     if failed:
                         print(f"commfx.cluster: could not delete namespaces {failed}; "
-                              "run commfx.runtime.cluster.cleanup_stale() later", file=sys.stderr)
+                              "run commfx.bench.cluster.cleanup_stale() later", file=sys.stderr)
             finally:
                 self._cleaning = False
 
@@ -726,7 +726,7 @@ class EmulatedCluster:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m commfx.runtime.cluster [--cleanup-stale]``: remove leftovers of dead runs."""
+    """``python -m commfx.bench.cluster [--cleanup-stale]``: remove leftovers of dead runs."""
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .plan import Topology
+from ..plan import Topology
 
 k, alpha, beta, gamma, phi, B, F = sympy.symbols("k alpha beta gamma phi B F", positive=True)
 

@@ -18,9 +18,9 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from .overlap import overlap_collectives
+from ..passes.schedule.overlap import overlap_collectives
 from .program import Program
-from .runtime.module import shard_parameters
+from .sharding import shard_parameters
 
 GraphRunner = Callable[[fx.GraphModule], Callable]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import ops  # noqa: F401  (registers torch.ops.commfx)
-from .passes.base import verify_waits
+from ... import ops  # noqa: F401  (registers torch.ops.commfx)
+from ..base import verify_waits
 
 commfx = torch.ops.commfx
 

@@ -1,4 +1,4 @@
-"""Calibration helpers for the emulated cluster (:mod:`commfx.runtime.cluster`).
+"""Calibration helpers for the emulated cluster (:mod:`commfx.bench.cluster`).
 
 * :func:`measure_compute_rate` -- float32 matmul FLOP/s of this machine (torch).
 * :func:`measure_link` -- throughput and round-trip latency between two ranks on
@@ -263,10 +263,10 @@ def suggest_rate(
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m commfx.runtime.calibrate --link 200mbit,1ms``: print measurements."""
+    """``python -m commfx.bench.calibrate --link 200mbit,1ms``: print measurements."""
     import argparse
 
-    from commfx.runtime.cluster import EmulatedCluster, LinkSpec
+    from commfx.bench.cluster import EmulatedCluster, LinkSpec
 
     ap = argparse.ArgumentParser(description="measure compute rate and emulated link")
     ap.add_argument("--link", default="1gbit", help="RATE[,LATENCY] or 'none'")

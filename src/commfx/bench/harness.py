@@ -44,8 +44,9 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from .plan import Plan
-from .runtime.cluster import EmulatedCluster, LinkSpec
+from ..passes import check_plan
+from ..plan import Plan
+from .cluster import EmulatedCluster, LinkSpec
 
 # Benchmark-sized configurations of built-in models: big enough that compute and
 # communication both take milliseconds on the emulated cluster (see benchmarks/RESULTS.md).
@@ -94,9 +95,9 @@ class _PlanRunner:
     """One plan's distributed module on this rank, able to run the three timed phases."""
 
     def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
-        from .api import distribute
-        from .models import load_model
-        from .verify import split_batch
+        from ..api import distribute
+        from ..models import load_model
+        from ..verify import split_batch
 
         self.spec = spec
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
@@ -108,8 +109,8 @@ class _PlanRunner:
         self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": []}
 
     def _train_step(self) -> None:
-        from .runtime.comm import install_default
-        from .train import loss_fn
+        from ..runtime.comm import install_default
+        from ..train import loss_fn
 
         # Backward comm ops find the process-default scheduler: make it this plan's.
         install_default(self.scheduler)
@@ -153,7 +154,7 @@ class _PlanRunner:
 
     def traced_step(self, rank: int, trace_dir: str) -> str:
         """One more training step with the timeline on; writes this rank's trace file."""
-        from .runtime.trace import Timeline, rank_trace_path
+        from ..runtime.trace import Timeline, rank_trace_path
 
         self.dm.timeline, self.scheduler.dispatcher.history = Timeline(rank), []
         try:
@@ -409,10 +410,10 @@ def calibrate(cluster, link: LinkSpec | None) -> dict:
 
     The balance that decides whether communication is exposed is FLOP/s per rank over
     inter-node bytes/s per rank; GPU clusters sit at ~1e3..1e4 (see
-    :func:`commfx.runtime.calibrate.suggest_rate`). Ranks share this machine's cores, so
+    :func:`commfx.bench.calibrate.suggest_rate`). Ranks share this machine's cores, so
     each gets ``rate / world_size``; the ranks of a node share its link.
     """
-    from .runtime.calibrate import GPU_FLOPS_PER_BYTE_RANGE, format_rate, measure_compute_rate, measure_link
+    from .calibrate import GPU_FLOPS_PER_BYTE_RANGE, format_rate, measure_compute_rate, measure_link
 
     machine_flops = measure_compute_rate(seconds=0.5)
     per_rank_flops = machine_flops / cluster.world_size
@@ -452,7 +453,7 @@ def _watch_progress(path: Path, console, stop: threading.Event) -> None:
 
 def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> list[dict]:
     """Start one rank per emulated slot (inside its node's namespace) and wait, drawing progress."""
-    from .runtime.launcher import RankEnvironment, launch
+    from ..runtime.launcher import RankEnvironment, launch
 
     def environment(rank: int) -> RankEnvironment:
         spec = cluster.rank_launch(rank)
@@ -466,7 +467,7 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
         watcher.start()
         try:
             return launch(
-                "commfx.bench:bench_worker", cluster.world_size, {"config": config},
+                "commfx.bench.harness:bench_worker", cluster.world_size, {"config": config},
                 timeout_s=timeout_s, collective_timeout_s=min(300.0, timeout_s),
                 rank_environment=environment, master_addr=cluster.master_addr, master_port=cluster.suggest_port(),
             )
@@ -486,7 +487,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
     (label, passes) pairs, all interleaved. The link and compute figures go into each
     plan's topology, where cost models (partition_a2a k=auto) read them.
     """
-    from .models import load_model
+    from ..models import load_model
 
     kwargs = {**PRESETS.get(model, {}), **(model_kwargs or {})}
     world = nodes * ranks_per_node
@@ -514,7 +515,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         raise ValueError(f"plan labels must be distinct, got {labels} (plan and baseline are taken)")
     model_module, _ = load_model(model, seed=seed, **kwargs)
     for s in specs:
-        s.plan.validate(model_module)
+        check_plan(s.plan, model_module)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed)
@@ -538,7 +539,7 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
         samples = launch_ranks(cluster, config, console=console, timeout_s=timeout_s)
         result = summarise(samples, config, cluster, link)
         if config.trace_dir:
-            from .runtime.trace import merge_traces
+            from ..runtime.trace import merge_traces
 
             for spec in config.plans:
                 merged = merge_traces([r[spec.label]["trace"] for r in samples], Path(config.trace_dir) / f"{spec.label}.json")

@@ -1,0 +1,34 @@
+"""The compile pipeline in one process: check the plan, capture the model, run the passes.
+
+What comes out is a `Program` whose graph is the same on every rank (rank-dependent
+values are runtime inputs); `lower.compile_training` then lowers it per input signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..passes.base import check_plan, run_passes
+from ..plan import Plan
+from .capture import capture
+from .program import Program
+
+
+def compile_program(
+    model: torch.nn.Module,
+    plan: Plan,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    stop_after: str | None = None,
+    tokens_per_rank: int | None = None,
+) -> Program:
+    """Validate the plan, capture the model and run the plan's passes (single process).
+
+    `tokens_per_rank` overrides what cost models assume (default: the example's tokens);
+    `distribute` passes the world's largest so every rank makes the same choices.
+    """
+    check_plan(plan, model)
+    program = capture(model, tuple(example_inputs))
+    if tokens_per_rank is not None:
+        program.annotations["tokens_per_rank"] = tokens_per_rank
+    return run_passes(program, plan, stop_after=stop_after)
