@@ -85,14 +85,19 @@ def cmd_verify(args) -> int:
     table = Table(title=f"{args.model}: distributed vs reference (max |difference|)")
     table.add_column("tensor")
     table.add_column("max abs diff", justify="right")
-    table.add_row("outputs", f"{report.output_diff:.3e}")
+    table.add_column("tolerance", justify="right")
+    table.add_row("outputs", f"{report.output_diff:.3e}", f"{args.tolerance:g}")
     for name, diff in sorted(report.grad_diffs.items()):
-        table.add_row(f"grad {name}", f"{diff:.3e}")
-    table.add_row("replicated grads across ranks", f"{report.replica_diff:.3e}")
+        marker = " *" if name in report.low_precision else ""
+        table.add_row(f"grad {name}{marker}", f"{diff:.3e}", f"{report.tolerance_of(name):.3g}")
+    table.add_row("replicated grads across ranks", f"{report.replica_diff:.3e}", f"{args.tolerance:g}")
     console.print(table)
+    for name, (tol, why) in sorted(report.low_precision.items()):
+        console.print(f"* grad {name}: judged at {tol:.3g}: {why}", markup=False, soft_wrap=True)
     console.print(f"tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)")
     verdict = "[green]PASS[/green]" if report.ok else "[red]FAIL[/red]"
-    console.print(f"{verdict}: largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g})")
+    detail = "" if report.ok else f"; over tolerance: {', '.join(report.failures)}"
+    console.print(f"{verdict}: largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}", soft_wrap=True)
     return 0 if report.ok else 1
 
 

@@ -9,12 +9,14 @@ placeholders only for the user's tensors, and the batch size read off the input 
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..models.hf import choose_experts_implementation, training_forward
 from .program import Program
 
 
@@ -22,14 +24,22 @@ class CaptureError(RuntimeError):
     """The model cannot be captured as one graph."""
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> Program:
-    """Trace `model(*example_inputs)` into a Program whose batch dimension (dim 0) is symbolic."""
-    if not isinstance(example_inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in example_inputs):
-        raise CaptureError("example_inputs must be a tuple of tensors (the global batch, split along dim 0)")
-    _prefer_capturable_hf_experts(model)
+def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None) -> Program:
+    """Trace `model(*example_inputs, **example_kwargs)` into a Program whose batch dimension
+    (dim 0 of every tensor input) is symbolic.
+
+    `example_inputs` may also be a dict of keyword tensors (HF style: input_ids=, labels=).
+    Hugging Face models are taken as transformers returns them: the forward is traced
+    without a KV cache and with an experts implementation that runs the model's dtype, and
+    the Program gives back what the model gives (a `ModelOutput` with logits, and loss
+    when labels are passed).
+    """
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    choose_experts_implementation(model)
     torch._dynamo.reset()
-    inputs = tuple(t.clone() for t in example_inputs)
-    for t in inputs:
+    args = tuple(t.clone() for t in args)
+    kwargs = {k: t.clone() for k, t in kwargs.items()}
+    for t in (*args, *kwargs.values()):
         if t.dim() > 0 and t.shape[0] >= 2:
             torch._dynamo.mark_dynamic(t, 0)
     recorded: list[tuple[fx.GraphModule, list]] = []
@@ -39,7 +49,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
         return gm.forward
 
     try:
-        output = torch.compile(model, backend=record, fullgraph=True)(*inputs)
+        with training_forward(model):
+            output = torch.compile(model, backend=record, fullgraph=True)(*args, **kwargs)
     except Exception as error:  # dynamo raises Unsupported, UserError, constraint violations...
         raise CaptureError(_graph_break_message(type(model).__name__, error)) from None
     finally:
@@ -49,16 +60,74 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
     leaves, out_spec = pytree.tree_flatten(output)
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         raise CaptureError(
-            f"the model's output must be tensors (a tensor, or a tuple/list/dict of tensors); got leaves of types "
-            f"{sorted({type(leaf).__name__ for leaf in leaves})}. Wrap the model so forward returns tensors."
+            f"the model's output must be tensors (a tensor, a ModelOutput, or a tuple/list/dict of tensors); got "
+            f"leaves of types {sorted({type(leaf).__name__ for leaf in leaves})}. Wrap the model so forward returns tensors."
         )
     gm, example = recorded[0]
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
-    to_fx_convention(gm, example, names, len(inputs))
+    names = parameter_names(model)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    positions = to_fx_convention(gm, example, names, len(args) + len(kwargs))
+    signature = _signature(model)
     return Program(
-        gm=gm, modules=dict(model.named_modules()), out_spec=out_spec, annotations={"tokens_per_rank": tokens_of(inputs)}
+        gm=gm,
+        modules=dict(model.named_modules()),
+        out_spec=out_spec,
+        annotations={"tokens_per_rank": tokens_of((*args, *kwargs.values()))},
+        input_names=[_input_name(placeholders[i], signature) for i in positions],
+        signature=signature,
     )
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(tensor) -> qualified name of every parameter and buffer; a tied tensor keeps its
+    first name, the one `model.named_parameters()` reports (so gradients match by name)."""
+    names: dict[int, str] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), name)
+    return names
+
+
+def split_inputs(example_inputs, example_kwargs: dict | None = None) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """(positional tensors, keyword tensors) from a tuple, a single tensor, or a dict of inputs."""
+    if isinstance(example_inputs, dict):
+        example_kwargs, example_inputs = {**example_inputs, **(example_kwargs or {})}, ()
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(
+            f"example inputs must be a tuple of tensors or a dict of keyword tensors (the global batch, split "
+            f"along dim 0), got {type(example_inputs).__name__}"
+        )
+    bad = [f"input {i}" for i, t in enumerate(example_inputs) if not isinstance(t, torch.Tensor)]
+    bad += [f"{k}=" for k, t in kwargs.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise CaptureError(
+            f"example inputs must be tensors (the batch, split along dim 0); {', '.join(bad)} is not. "
+            "Pass settings such as use_cache or return_dict in the model's config, not as inputs."
+        )
+    return tuple(example_inputs), kwargs
+
+
+def _signature(model: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _input_name(placeholder: str, signature: inspect.Signature | None) -> str:
+    """dynamo's l_args_0_ / l_kwargs_labels_ / l_input_ids_ -> the forward's parameter name."""
+    match = re.fullmatch(r"l_args_(\d+)_", placeholder)
+    if match:
+        index = int(match.group(1))
+        positional = [
+            p.name for p in (signature.parameters.values() if signature else ())
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        return positional[index] if index < len(positional) else f"*{index}"
+    match = re.fullmatch(r"l_kwargs_(\w+?)_", placeholder) or re.fullmatch(r"l_(\w+?)_", placeholder)
+    return match.group(1) if match else placeholder
 
 
 def tokens_of(inputs: tuple[torch.Tensor, ...]) -> int:
@@ -151,18 +220,6 @@ def _copy_attr(gm: fx.GraphModule, qualified_name: str, value: torch.Tensor) -> 
         owner.register_parameter(leaf, value)
     else:
         owner.register_buffer(leaf, value)
-
-
-def _prefer_capturable_hf_experts(model: torch.nn.Module) -> None:
-    """HF v5 MoE experts loop over experts in eager mode (a graph break); pick batched_mm."""
-    config = getattr(model, "config", None)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "_experts_implementation", None) in (None, "eager"):
-            try:
-                config._experts_implementation = "batched_mm"
-            except Exception:  # a config that refuses the attribute keeps its own choice
-                pass
 
 
 def _graph_break_message(model_name: str, error: Exception) -> str:

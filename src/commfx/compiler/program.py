@@ -6,6 +6,7 @@ carry `node.meta["commfx"] = {"pass": ..., "purpose": ...}` so dumps show proven
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,10 @@ class Program:
     history: list[str] = field(default_factory=list)
     # Facts passes hand to the runtime: parameter shards, group names, MoE block list, ...
     annotations: dict[str, Any] = field(default_factory=dict)
+    # The forward's parameter name of each graph input, in placeholder order, and the
+    # forward's signature: calls bind (args, kwargs) by name, positional or keyword.
+    input_names: list[str] = field(default_factory=list)
+    signature: inspect.Signature | None = None
 
     @property
     def graph(self) -> fx.Graph:

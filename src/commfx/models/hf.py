@@ -12,6 +12,7 @@ loop is data-dependent; ``grouped_mm`` hides its matmuls in an opaque custom op 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,16 @@ _MLA_ATTENTION = dict(
 )
 
 
-__all__ = ["HF_FAMILIES", "HFFamily", "HFCausalLMLogits", "build_hf_moe", "hf_config"]
+__all__ = [
+    "HF_FAMILIES",
+    "HFFamily",
+    "HFCausalLMLogits",
+    "build_hf_moe",
+    "choose_experts_implementation",
+    "hf_config",
+    "is_hf_model",
+    "training_forward",
+]
 
 # Shared tiny sizes. Token ids stay inside the vocabulary and no token is a padding index,
 # so every embedding row is trained like any other.
@@ -208,3 +218,69 @@ def build_hf_moe(
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     return model, (input_ids,)
+
+
+# --------------------------------------------------- models exactly as transformers returns them
+
+# Experts implementations that run every floating dtype on every device with plain aten ops
+# (no data-dependent shapes, so dynamo captures them fullgraph). `grouped_mm` takes only
+# float32/bfloat16/float16 matrices; `eager` loops over experts in Python (a graph break).
+_ANY_DTYPE_EXPERTS = "batched_mm"
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_hf_model(model: torch.nn.Module) -> bool:
+    """A transformers PreTrainedModel (or anything carrying a transformers config)."""
+    config = getattr(model, "config", None)
+    return config is not None and type(config).__module__.startswith("transformers.")
+
+
+def experts_implementation_for(current: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    """The experts implementation to run `dtype` on `device`, keeping `current` where it can.
+
+    `grouped_mm` is kept for the dtypes its kernel takes on CUDA; everything else (float64,
+    `eager`'s Python loop, unset) becomes `batched_mm`, which runs any dtype and captures
+    as one graph.
+    """
+    if current == "grouped_mm" and device.type == "cuda" and dtype in _GROUPED_MM_DTYPES:
+        return current
+    if current == _ANY_DTYPE_EXPERTS:
+        return current
+    return _ANY_DTYPE_EXPERTS
+
+
+def choose_experts_implementation(model: torch.nn.Module) -> str | None:
+    """Set an HF model's experts implementation to one that runs its dtype and device.
+
+    The choice never changes the function (every implementation computes the same experts),
+    so it stays on the model: a float64 reference run of the same model then works too.
+    Returns the implementation chosen (None for models without one).
+    """
+    if not is_hf_model(model) or not hasattr(model, "set_experts_implementation"):
+        return None
+    current = getattr(model.config, "_experts_implementation", None)
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if parameter is None:
+        return current
+    wanted = experts_implementation_for(current, parameter.dtype, parameter.device)
+    if wanted != current:
+        try:
+            model.set_experts_implementation(wanted)
+        except ValueError:  # a model without experts: nothing to choose
+            return current
+    return wanted
+
+
+@contextmanager
+def training_forward(model: torch.nn.Module):
+    """Inside this block an HF model's forward builds no KV cache (training needs none, and a
+    cache is not a tensor a graph can return); the user's config is restored afterwards."""
+    configs = [m.config for m in model.modules() if is_hf_model(m) and hasattr(m.config, "use_cache")]
+    saved = [c.use_cache for c in configs]
+    try:
+        for c in configs:
+            c.use_cache = False
+        yield
+    finally:
+        for c, value in zip(configs, saved):
+            c.use_cache = value

@@ -11,6 +11,7 @@ them. Its state_dict holds the local parameters under the original names (prefix
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Protocol
 
 import torch
@@ -30,6 +31,8 @@ class CompiledModel(Protocol):
     gm: fx.GraphModule
     out_spec: pytree.TreeSpec  # rebuilds the model's output from the graph's flat outputs
     annotations: dict[str, Any]  # "shards" and "comm_schedule", written by the passes
+    input_names: list[str]  # the forward's parameter name of each graph input, in order
+    signature: inspect.Signature | None  # the model's forward signature, to bind calls by name
 
 
 # (graph module, example inputs, forward=runner, backward=runner) -> differentiable callable;
@@ -58,7 +61,8 @@ class DistributedModule(torch.nn.Module):
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
         self._compiled: dict[tuple, object] = {}
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
+        inputs = graph_inputs(self.program, args, kwargs)
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
@@ -89,6 +93,30 @@ class DistributedModule(torch.nn.Module):
                 f"({state.get('placement')}) than this rank ({self.placement}); load it on the rank "
                 "that saved it, with the same world size and ep"
             )
+
+
+def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """The graph's inputs from a call, bound by name: the model may be called positionally
+    or by keyword, whichever way it was captured (HF style: input_ids=, labels=)."""
+    names = program.input_names
+    if not names or (not kwargs and len(args) == len(names) and program.signature is None):
+        return tuple(args)
+    if program.signature is not None:
+        try:
+            bound = program.signature.bind_partial(*args, **kwargs).arguments
+        except TypeError as error:
+            raise TypeError(f"{error}; the model was captured with inputs {', '.join(names)}") from None
+    else:
+        bound = {**{f"*{i}": a for i, a in enumerate(args)}, **kwargs}
+    missing = [n for n in names if not isinstance(bound.get(n), torch.Tensor)]
+    extra = [n for n, v in bound.items() if isinstance(v, torch.Tensor) and n not in names]
+    if missing or extra:
+        raise TypeError(
+            f"this module was captured with tensor inputs ({', '.join(names)}); the call "
+            + (f"lacks {', '.join(missing)}" if missing else f"adds {', '.join(extra)}")
+            + ". Call it with the same inputs at every step (other shapes are fine), or distribute again."
+        )
+    return tuple(bound[n] for n in names)
 
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
