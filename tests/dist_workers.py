@@ -129,3 +129,39 @@ def lina_stress(rank: int, world_size: int, steps: int) -> dict:
     calm = _lina_training(rank, world_size, steps, delays=False)
     stressed = _lina_training(rank, world_size, steps, delays=True)
     return {"calm": calm, "stressed": stressed}
+
+
+def hf_backend_and_distribute(rank: int, world_size: int, family: str, passes: str) -> dict:
+    """A raw HF model with labels=: HF computes its own loss. Once through
+    torch.compile(backend=commfx.backend(plan)) (graph breaks allowed), once through
+    commfx.distribute with keyword inputs."""
+    import copy
+
+    import commfx
+
+    model, (ids,) = load_model(f"hf:{family}", dtype=torch.float64, batch=2 * world_size)
+    plan = Plan.from_cli(passes, world_size=world_size)
+    local = split_batch(ids, world_size, rank)
+    results = {}
+
+    compiled_model = copy.deepcopy(model)
+    out = torch.compile(compiled_model, backend=commfx.backend(plan))(input_ids=local, labels=local)
+    out.loss.backward()
+    results["backend"] = {
+        "type": type(out).__name__,
+        "loss": out.loss.detach(),
+        "logits": out.logits.detach(),
+        "grads": {n: p.grad.clone() for n, p in compiled_model.named_parameters() if p.grad is not None},
+    }
+
+    dm = commfx.distribute(copy.deepcopy(model), plan, {"input_ids": local, "labels": local})
+    out = dm(input_ids=local, labels=local)
+    out.loss.backward()
+    results["distribute"] = {
+        "type": type(out).__name__,
+        "loss": out.loss.detach(),
+        "logits": out.logits.detach(),
+        "grads": {n.removeprefix("module."): p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None},
+        "placement": dm.placement,
+    }
+    return results

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commfx.models.hf import HF_FAMILIES, HFCausalLMLogits, build_hf_moe
+from commfx.models.hf import HF_FAMILIES, build_hf_moe, choose_experts_implementation
 
 FAMILIES = sorted(HF_FAMILIES)
 REQUIRED = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"}
@@ -27,8 +27,8 @@ def _capture(model: torch.nn.Module, ids: torch.Tensor):
         seen["gm"], seen["example_inputs"] = gm, list(example_inputs)
         return gm.forward
 
-    out = torch.compile(model, backend=record, fullgraph=True)(ids)
-    return out, ids, seen
+    out = torch.compile(model, backend=record, fullgraph=True)(ids, use_cache=False)
+    return out.logits, ids, seen
 
 
 def test_required_families_present():
@@ -44,21 +44,30 @@ def test_unknown_family_raises_with_supported_names():
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_builds_tiny_all_moe_batched_mm(model_type):
+def test_builds_tiny_all_moe_as_transformers_returns_it(model_type):
+    from transformers import PreTrainedModel
+
     model, (ids,) = build_hf_moe(model_type, batch=3, seq=5)
-    config = model.hf.config
-    assert isinstance(model, HFCausalLMLogits) and model.training
-    assert config._experts_implementation == "batched_mm"
+    config = model.config
+    assert isinstance(model, PreTrainedModel) and model.training and config.use_cache
+    assert config._experts_implementation != "batched_mm"  # transformers' default, untouched
+    assert choose_experts_implementation(model) == "batched_mm"  # what a CPU run needs
     assert config._attn_implementation == HF_FAMILIES[model_type].attn_implementation
     assert ids.shape == (3, 5) and ids.dtype == torch.int64
     assert 0 <= int(ids.min()) and int(ids.max()) < config.vocab_size == 64
-    assert config.hidden_size == 32 and len(model.layers) == 2
-    for layer in model.layers:  # every decoder layer is an MoE layer
+    assert config.hidden_size == 32 and len(model.model.layers) == 2
+    for layer in model.model.layers:  # every decoder layer is an MoE layer
         (experts,) = _experts_modules(layer)
         assert experts.num_experts in (4, 8)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    logits = model(ids)
-    assert logits.shape == (3, 5, 64) and torch.isfinite(logits).all()
+    out = model(ids, use_cache=False).logits
+    assert out.shape == (3, 5, 64) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def logits(model, ids):
+    choose_experts_implementation(model)
+    return model(ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -74,8 +83,8 @@ def test_seeded_and_deterministic(model_type):
     assert any(not torch.equal(state_a[k], state_c[k]) for k in state_a)
     assert torch.equal(ids_a, ids_b) and not torch.equal(ids_a, ids_c)
     # Train mode, yet no randomness in the forward (no jitter, dropout 0).
-    assert torch.equal(model_a(ids_a), model_a(ids_a))
-    assert torch.equal(model_a(ids_a), model_b(ids_a))
+    assert torch.equal(logits(model_a, ids_a), logits(model_a, ids_a))
+    assert torch.equal(logits(model_a, ids_a), logits(model_b, ids_a))
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -88,15 +97,16 @@ def test_float64_is_the_float32_model_upcast(model_type):
         if tensor.is_floating_point():
             assert tensor.dtype == torch.float64, name
             assert torch.equal(tensor, state32[name].double()), name
-    logits = model64(ids64)
-    assert logits.dtype == torch.float64 and torch.isfinite(logits).all()
+    out = logits(model64, ids64)
+    assert out.dtype == torch.float64 and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_captures_fullgraph_with_dynamic_batch(model_type):
     model, (ids,) = build_hf_moe(model_type, dtype=torch.float64)
+    choose_experts_implementation(model)
     out, marked_ids, seen = _capture(model, ids)
-    assert torch.equal(out, model(ids))
+    assert torch.equal(out, model(ids, use_cache=False).logits)
 
     gm, example_inputs = seen["gm"], seen["example_inputs"]
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -112,7 +122,7 @@ def test_captures_fullgraph_with_dynamic_batch(model_type):
         result = gm(*args)
         result = result[0] if isinstance(result, (tuple, list)) else result
         assert result.shape == (batch, ids.shape[1], 64)
-        torch.testing.assert_close(result, model(new_ids), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result, model(new_ids, use_cache=False).logits, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -121,12 +131,13 @@ def test_captures_fullgraph_with_dynamic_batch(model_type):
 def test_group_limited_routing_prunes(model_type):
     """The group limit must change some token's experts, or the tiny config would not exercise it."""
     model, (ids,) = build_hf_moe(model_type, dtype=torch.float64)
-    router = model.layers[0].mlp.gate
+    choose_experts_implementation(model)
+    router = model.model.layers[0].mlp.gate
     assert 1 < router.num_group and router.topk_group < router.num_group
     inputs = []
     handle = router.register_forward_hook(lambda module, args, output: inputs.append(args[0]))
     try:
-        model(ids)
+        model(ids, use_cache=False)
     finally:
         handle.remove()
     grouped = router(inputs[0])[2].sort(-1).values

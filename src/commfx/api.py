@@ -8,7 +8,7 @@ import difflib
 import torch
 import torch.distributed as dist
 
-from .compiler.capture import tokens_of
+from .compiler.capture import split_inputs, tokens_of
 from .compiler.lower import compile_training
 from .compiler.pipeline import compile_program
 from .compiler.program import Program
@@ -19,11 +19,15 @@ from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
 
 
-def distribute(model: torch.nn.Module, plan: Plan, example_inputs: tuple[torch.Tensor, ...]) -> DistributedModule:
+def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwargs: dict | None = None) -> DistributedModule:
     """Rewrite `model` by `plan` and return this rank's module (call on every rank).
 
     Needs an initialised default process group whose size is the plan's world size.
-    `example_inputs` is this rank's batch (any batch size: the graph is batch-symbolic).
+    `example_inputs` is this rank's batch (any batch size: the graph is batch-symbolic): a
+    tuple of tensors, or a dict of keyword tensors; `example_kwargs` adds keyword tensors
+    (`distribute(hf_model, plan, (ids,), {"labels": ids})`). The module is then called the
+    same way, positionally or by keyword, and returns what the model returns (for an HF
+    model, a `ModelOutput` with `logits`, and `loss` when labels are passed).
     """
     if not dist.is_initialized():
         raise PlanError(
@@ -40,8 +44,9 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs: tuple[torch.T
     groups = build_groups(plan.topology, rank)
     scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
     # Cost models must choose the same on every rank, however uneven the batches.
-    tokens = max(scheduler.all_gather_object(tokens_of(tuple(example_inputs))))
-    program = compile_program(model, plan, example_inputs, tokens_per_rank=tokens)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
+    program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
     _check_same_graph(scheduler, program)
     placement = shard_parameters(program, groups["ep"].rank)
     return DistributedModule(program, plan, scheduler, placement, compile_training)

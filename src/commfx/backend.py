@@ -9,6 +9,10 @@ experts use `commfx.distribute`. Gradients are synchronised during backward by t
 GradientSync as `distribute`: full-size expert weights get their rows only from the rank
 that owns them, so they are summed over the whole world.
 
+dynamo may hand several graphs (graph breaks in HF's mask and loss code, or the user's
+own): each is lowered and run by the runtime (so its parameters' gradients are synchronised
+too), and only graphs with an MoE block get the MoE passes.
+
 The name "commfx" is registered through the `torch_dynamo_backends` entry point; used by
 name it reads the pass list from COMMFX_PASSES (default lift,expert_parallel) and the
 world from the initialised process group.
@@ -16,6 +20,7 @@ world from the initialised process group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -51,7 +56,7 @@ class CommfxBackend:
         scheduler = self._scheduler_for_world()
         user_inputs = [example_inputs[i] for i in positions]
         program.annotations["tokens_per_rank"] = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
-        run_passes(program, self.plan)
+        run_passes(program, self.plan, where_applicable=True)
         # The user's parameters are full-size (experts sliced in-graph), so every gradient,
         # expert rows included, is summed over the world.
         sync = configure_comm(
@@ -68,7 +73,8 @@ class CommfxBackend:
             graphs["backward"] = graph_module
             return lambda *args: BackwardExecutor(graph_module, scheduler, sync).run(*args)
 
-        compiled = compile_training(program.gm, user_inputs, forward=forward, backward=backward, fake_inputs=True)
+        with _dynamic_output_shapes(user_inputs):
+            compiled = compile_training(program.gm, user_inputs, forward=forward, backward=backward, fake_inputs=True)
         self.programs.append(program)
         self.graphs.append(graphs)
 
@@ -95,6 +101,24 @@ class CommfxBackend:
                 raise PlanError("the commfx backend needs torch.distributed initialised for a world size above 1")
             install_default(self._scheduler)
         return self._scheduler
+
+
+@contextlib.contextmanager
+def _dynamic_output_shapes(fake_inputs: list):
+    """All-to-all outputs have data-dependent row counts. dynamo allows such ops only under
+    fullgraph=True; the graphs it hands a backend are whole regions either way, so the
+    lowering (which traces the all-to-alls) may always create their sizes."""
+    fake_mode = torch._guards.detect_fake_mode(fake_inputs)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None or shape_env.settings.allow_dynamic_output_shape_ops:
+        yield
+        return
+    saved = shape_env.settings
+    shape_env.settings = dataclasses.replace(saved, allow_dynamic_output_shape_ops=True)
+    try:
+        yield
+    finally:
+        shape_env.settings = saved
 
 
 def _size_hint(n) -> int:

@@ -17,18 +17,22 @@ from .program import Program
 def compile_program(
     model: torch.nn.Module,
     plan: Plan,
-    example_inputs: tuple[torch.Tensor, ...],
+    example_inputs,
+    example_kwargs: dict | None = None,
     *,
     stop_after: str | None = None,
     tokens_per_rank: int | None = None,
 ) -> Program:
     """Validate the plan, capture the model and run the plan's passes (single process).
 
+    `example_inputs`: a tuple of tensors, or a dict of keyword tensors; `example_kwargs`
+    adds keyword tensors to a tuple (HF style: `(ids,), {"labels": ids}`).
+
     `tokens_per_rank` overrides what cost models assume (default: the example's tokens);
     `distribute` passes the world's largest so every rank makes the same choices.
     """
     check_plan(plan, model)
-    program = capture(model, tuple(example_inputs))
+    program = capture(model, example_inputs, example_kwargs)
     if tokens_per_rank is not None:
         program.annotations["tokens_per_rank"] = tokens_per_rank
     return run_passes(program, plan, stop_after=stop_after)

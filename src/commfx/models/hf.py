@@ -4,10 +4,12 @@ They give the compiler real-world MoE graphs (HF routers, HF ``@use_experts_impl
 experts, shared experts, group-limited routing) without any download: only the config classes
 and ``AutoModelForCausalLM.from_config`` are used, so everything runs offline in seconds.
 
-Every model is built with ``experts_implementation="batched_mm"``: expert weights are gathered
-per (token, k) pair and applied with ``bmm``, plain aten ops with no data-dependent shapes, so
-dynamo captures it ``fullgraph`` with a dynamic batch dimension in any dtype. (The eager experts
-loop is data-dependent; ``grouped_mm`` hides its matmuls in an opaque custom op outside bf16.)
+Models are returned as transformers builds them (``*ForCausalLM``, KV cache on, the default
+``grouped_mm`` experts): the doors take them so. What training and capture need is chosen
+here, per model, by ``choose_experts_implementation`` (``batched_mm`` gathers expert weights
+per (token, k) pair and applies them with ``bmm``: plain aten ops in any dtype, no
+data-dependent shapes, so dynamo captures it ``fullgraph``; ``grouped_mm`` takes no float64
+and the eager loop is a graph break) and ``training_forward`` (no KV cache).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ _MLA_ATTENTION = dict(
 __all__ = [
     "HF_FAMILIES",
     "HFFamily",
-    "HFCausalLMLogits",
     "build_hf_moe",
     "choose_experts_implementation",
     "hf_config",
@@ -162,26 +163,6 @@ def hf_config(model_type: str):
     return AutoConfig.for_model(model_type, **{**_TINY, **HF_FAMILIES[model_type].config})
 
 
-class HFCausalLMLogits(torch.nn.Module):
-    """Wraps an HF ``*ForCausalLM`` so ``forward(input_ids)`` returns only the logits tensor.
-
-    A plain tensor-in/tensor-out module is what graph capture and rewrites want; no KV cache
-    (``use_cache=False``), no loss, no ``ModelOutput``.
-    """
-
-    def __init__(self, hf_model: torch.nn.Module):
-        super().__init__()
-        self.hf = hf_model
-
-    @property
-    def layers(self) -> torch.nn.ModuleList:
-        """The decoder layers (``self.hf.model.layers``)."""
-        return self.hf.model.layers
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, use_cache=False).logits
-
-
 def build_hf_moe(
     model_type: str,
     *,
@@ -190,12 +171,15 @@ def build_hf_moe(
     seq: int = 8,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """Build a tiny random HF MoE causal LM and a global batch of token ids for it.
+    """Build a tiny random HF MoE causal LM, exactly as transformers returns it, and a global
+    batch of token ids for it.
 
     Weights are drawn in float32 from ``seed`` (the global RNG state is left untouched) and then
     converted to ``dtype``, so the float64 model holds exactly the float32 model's weights.
     The model is in train mode; with dropout and router jitter off its forward is deterministic.
-    Returns ``(HFCausalLMLogits, (input_ids,))`` with ``input_ids`` of shape ``[batch, seq]``.
+    Its config is transformers' own (KV cache on, the default experts implementation): commfx's
+    capture makes the choices training needs. Returns ``(model, (input_ids,))`` with
+    ``input_ids`` of shape ``[batch, seq]``.
     """
     if model_type not in HF_FAMILIES:
         raise _unknown(model_type)
@@ -205,15 +189,10 @@ def build_hf_moe(
     config = hf_config(model_type)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf_model = AutoModelForCausalLM.from_config(
-            config,
-            attn_implementation=family.attn_implementation,
-            experts_implementation="batched_mm",
-            dtype=torch.float32,
-        )
-    hf_model.to(dtype)
-    hf_model.config.dtype = dtype
-    model = HFCausalLMLogits(hf_model).train()
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=family.attn_implementation, dtype=torch.float32)
+    model.to(dtype)
+    model.config.dtype = dtype
+    model.train()
 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)

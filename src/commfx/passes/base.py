@@ -39,6 +39,13 @@ class Pass:
         raise NotImplementedError
 
     @classmethod
+    def applies(cls, program: Program) -> bool:
+        """Whether this graph has anything for the pass to rewrite. torch.compile hands the
+        backend every graph of a model (HF mask and loss code, the user's own); those without
+        e.g. an MoE block skip the MoE passes instead of failing."""
+        return True
+
+    @classmethod
     def summary(cls) -> str:
         doc = (cls.__doc__ or "").strip().splitlines()
         return doc[0] if doc else ""
@@ -116,10 +123,18 @@ def _coerce(pass_name: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
-def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None) -> Program:
-    """Run the plan's passes in order, verifying the graph after each one."""
+def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None, where_applicable: bool = False) -> Program:
+    """Run the plan's passes in order, verifying the graph after each one.
+
+    `where_applicable`: skip a pass whose `applies(program)` is false (the compile backend,
+    which sees graph fragments), recording it in the history; otherwise every pass runs and
+    says itself what is missing.
+    """
     for spec in plan.passes:
         pass_cls = get_pass(spec.name)
+        if where_applicable and not pass_cls.applies(program):
+            program.history.append(f"{spec.name}: skipped (nothing to rewrite in this graph)")
+            continue
         missing = [fact for fact in pass_cls.requires if fact not in program.facts]
         if missing:
             raise PassError(f"pass {spec.name!r} requires {', '.join(missing)}; run the pass that establishes it first")

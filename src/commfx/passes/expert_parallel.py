@@ -40,6 +40,10 @@ class ExpertParallel(Pass):
     ensures = ("expert parallel",)
     requires_passes = ("lift",)
 
+    @classmethod
+    def applies(cls, program: Program) -> bool:
+        return bool(program.annotations.get("moe_blocks"))
+
     @dataclasses.dataclass(frozen=True)
     class Options:
         capacity_factor: float = 0.0  # 0: dropless (uneven all-to-all); > 0: fixed capacity per expert
@@ -107,11 +111,12 @@ def set_capacity(program: Program, capacity_factor: float) -> None:
 
 def _slice_weights_in_graph(graph: fx.Graph, ffn: fx.Node, ep: int) -> None:
     rows, counts, gate_up, down, activation = ffn.args
-    with graph.inserting_before(ffn):
-        local = [
-            stamp(graph.call_function(commfx.local_shard.default, (w, "ep", ep)), PASS, "this rank's experts")
-            for w in (gate_up, down)
-        ]
+    local = []
+    for weight in (gate_up, down):
+        # Right after the weight, not before this use: later passes (partition_a2a) add uses
+        # of the local shard earlier in the graph than this expert_ffn.
+        with graph.inserting_after(weight):
+            local.append(stamp(graph.call_function(commfx.local_shard.default, (weight, "ep", ep)), PASS, "this rank's experts"))
     ffn.args = (rows, counts, *local, activation)
 
 

@@ -48,6 +48,10 @@ class PartitionA2A(Pass):
     ensures = ("all-to-all partitioned",)
     requires_passes = ("lift", "expert_parallel")
 
+    @classmethod
+    def applies(cls, program: Program) -> bool:
+        return bool(program.annotations.get("moe_blocks"))
+
     @dataclasses.dataclass(frozen=True)
     class Options:
         k: str = "auto"  # chunks per region: an integer >= 1, or auto (cost model)

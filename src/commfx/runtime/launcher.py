@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -156,13 +157,30 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             pass
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Exit|Interrupt)\b[^\n]*")
+
+
+def error_summary(text: str, lines: int = 15) -> str:
+    """The raising frame and the first lines of the exception of a traceback; a message
+    with a long tail (dynamo appends whole graphs) otherwise hides what went wrong."""
+    all_lines = text.strip().splitlines()
+    starts = [i for i, line in enumerate(all_lines) if _EXCEPTION_LINE.match(line)]
+    if not starts:
+        return "\n".join(all_lines[-lines:])
+    start = starts[-1]
+    # A chained traceback ("The above exception was the direct cause...") names its cause first.
+    frames = [i for i in range(start) if all_lines[i].lstrip().startswith("File ")]
+    frame = all_lines[frames[-1] : frames[-1] + 2] if frames else []
+    return "\n".join([*frame, *all_lines[start : start + lines]])
+
+
 def _log_tails(job: Path, world_size: int, first: int | None = None, lines: int = 15) -> str:
     order = ([first] if first is not None else []) + [r for r in range(world_size) if r != first]
     parts = []
     for rank in order:
         error = job / f"error_{rank}.txt"
         text = error.read_text() if error.exists() else (job / f"log_{rank}.txt").read_text(errors="replace")
-        tail = "\n".join(text.strip().splitlines()[-lines:])
+        tail = error_summary(text, lines)
         if tail:
             parts.append(f"--- rank {rank} ---\n{tail}")
         if len(parts) >= 2:

@@ -108,6 +108,10 @@ def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[tor
             raise TypeError(f"{error}; the model was captured with inputs {', '.join(names)}") from None
     else:
         bound = {**{f"*{i}": a for i, a in enumerate(args)}, **kwargs}
+    for name, value in list(bound.items()):  # HF forwards take most inputs through **kwargs
+        if isinstance(value, dict) and program.signature is not None and name in program.signature.parameters:
+            if program.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name))
     missing = [n for n in names if not isinstance(bound.get(n), torch.Tensor)]
     extra = [n for n, v in bound.items() if isinstance(v, torch.Tensor) and n not in names]
     if missing or extra:
