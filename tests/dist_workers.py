@@ -165,3 +165,13 @@ def hf_backend_and_distribute(rank: int, world_size: int, family: str, passes: s
         "placement": dm.placement,
     }
     return results
+
+
+def raises_on_one_rank(rank: int, world_size: int, raising_rank: int) -> str:
+    """User code that raises on one rank while its peers wait in a collective."""
+    import torch.distributed as dist
+
+    if rank == raising_rank:
+        raise ValueError(f"the model factory failed on rank {rank}")
+    dist.barrier()
+    return "finished"

@@ -136,11 +136,20 @@ def backend(plan: Plan) -> CommfxBackend:
     return CommfxBackend(plan)
 
 
+_BY_NAME: dict[tuple[str, int], CommfxBackend] = {}
+
+
 def default_backend(gm: fx.GraphModule, example_inputs: list):
-    """The backend registered as "commfx": plan from COMMFX_PASSES and the current world."""
+    """The backend registered as "commfx": plan from COMMFX_PASSES and the current world.
+
+    One backend per (pass list, world), so every graph dynamo hands it shares one set of
+    process groups and one comm scheduler, as with `commfx.backend(plan)`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    plan = Plan.from_cli(os.environ.get("COMMFX_PASSES", "lift,expert_parallel"), world_size=world)
-    return CommfxBackend(plan)(gm, example_inputs)
+    passes = os.environ.get("COMMFX_PASSES", "lift,expert_parallel")
+    key = (passes, world)
+    if key not in _BY_NAME:
+        _BY_NAME[key] = CommfxBackend(Plan.from_cli(passes, world_size=world))
+    return _BY_NAME[key](gm, example_inputs)
 
 
 def _shard_in_graph(plan: Plan) -> Plan:

@@ -29,8 +29,8 @@ import torch
 
 from .models import load_model
 from .models.hf import choose_experts_implementation, training_forward
-from .passes import check_plan, plan_options
-from .plan import Plan
+from .passes import plan_options
+from .plan import Plan, PlanError
 
 DEFAULT_TOLERANCE = 1e-10
 # Summing n float32 terms in another order changes the result by at most ~n * eps relative
@@ -101,6 +101,30 @@ def build_case_model(case: VerifyCase):
 
 def split_batch(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     return torch.tensor_split(tensor, world_size, dim=0)[rank]
+
+
+def local_batch(inputs, world_size: int, rank: int):
+    """This rank's share of a global batch (a tuple of tensors or a dict of keyword tensors)."""
+    if isinstance(inputs, dict):
+        return {k: split_batch(t, world_size, rank) for k, t in inputs.items()}
+    return tuple(split_batch(t, world_size, rank) for t in inputs)
+
+
+def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
+    """Compile rank 0's share of the batch here, in one process: what would fail on every
+    rank (the plan, a capture error, a graph break, an unsupported model) fails once, before
+    any rank is spawned, with the message and no traceback."""
+    from .compiler.pipeline import compile_program
+
+    world = plan.topology.world_size
+    if isinstance(global_inputs, (tuple, list)) and global_inputs and isinstance(global_inputs[0], torch.Tensor):
+        rows = global_inputs[0].shape[0] if global_inputs[0].dim() else 0
+        if rows < world:
+            raise PlanError(
+                f"the global batch has {rows} rows for {world} ranks, so some rank would get none; "
+                f"use a batch of at least {world} (--batch) or fewer ranks"
+            )
+    compile_program(model, plan, local_batch(global_inputs, world, 0))
 
 
 def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:
@@ -229,6 +253,7 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
     for case in cases:
         if case.plan.topology.world_size != world_size:
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
-        check_plan(case.plan, build_case_model(case)[0])
+        model, inputs = build_case_model(case)
+        preflight(model, case.plan, inputs)
     results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s)
     return [compare(case, [r[i] for r in results], world_size, tolerance) for i, case in enumerate(cases)]

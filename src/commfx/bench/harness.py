@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from ..passes import check_plan
 from ..plan import Plan
+from ..verify import preflight
 from .cluster import EmulatedCluster, LinkSpec
 
 # Benchmark-sized configurations of built-in models: big enough that compute and
@@ -513,9 +513,9 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"plan labels must be distinct, got {labels} (plan and baseline are taken)")
-    model_module, _ = load_model(model, seed=seed, **kwargs)
-    for s in specs:
-        check_plan(s.plan, model_module)
+    for s in specs:  # every plan compiles here first: errors surface once, before ranks start
+        model_module, inputs = load_model(model, seed=seed, **kwargs)
+        preflight(model_module, s.plan, inputs)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed)

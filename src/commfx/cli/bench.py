@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from .args import non_negative_float, non_negative_int, positive_float, positive_int
+
 __all__ = ["add_parser"]
 
 EXAMPLE = 'commfx bench gpt-moe --passes lift,expert_parallel --vs "" --nodes 2 --ranks-per-node 2 --inter-node 200mbit,1ms'
@@ -33,24 +35,24 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--also", action="append", default=[], metavar="LABEL=PASSES",
                         help="another plan measured in the same interleaved run (repeatable), "
                              "e.g. --also 'lina=lift,expert_parallel,partition_a2a'")
-    parser.add_argument("--flops-per-rank", type=float, default=None,
+    parser.add_argument("--flops-per-rank", type=positive_float, default=None,
                         help="compute rate the cost models assume (FLOP/s per rank; see --calibrate)")
-    parser.add_argument("--collective-overhead", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--collective-overhead", type=non_negative_float, default=None, metavar="SECONDS",
                         help="fixed cost per collective the cost models assume (default 20e-6; see a --trace)")
-    parser.add_argument("--grad-bucket-bytes", type=int, default=None,
+    parser.add_argument("--grad-bucket-bytes", type=positive_int, default=None,
                         help="gradient all-reduce bucket size for every plan (default: the plan's, 1 MiB)")
-    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    parser.add_argument("--nodes", type=positive_int, default=2, help="emulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
                         help="per-node inter-node link, tc units, e.g. 1gbit or 200mbit,1ms; 'none' for unlimited "
                              "(default 200mbit,1ms)")
-    parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: the world size)")
-    parser.add_argument("--steps", type=int, default=10, help="measured rounds (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="rounds run before measuring (default 2)")
-    parser.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's bench preset)")
+    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="measured rounds (default 10)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="rounds run before measuring (default 2)")
+    parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--trace", metavar="DIR", help="after measuring, trace one step of every plan: DIR/<label>.json "

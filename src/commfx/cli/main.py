@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..plan import Plan, PlanError
+from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 
 console = Console(highlight=False)
@@ -24,10 +25,10 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
         default="lift,expert_parallel",
         help="comma-separated pass list; options as name:key=value;key=value (default: lift,expert_parallel)",
     )
-    parser.add_argument("--world-size", type=int, default=default_world, help="number of ranks")
-    parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: the world size)")
-    parser.add_argument("--ranks-per-node", type=int, default=0, help="ranks per node (bytes are split intra/inter node)")
-    parser.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    parser.add_argument("--world-size", type=positive_int, default=default_world, help="number of ranks")
+    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--ranks-per-node", type=non_negative_int, default=0, help="ranks per node (bytes are split intra/inter node)")
+    parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -107,9 +108,10 @@ def cmd_run(args) -> int:
 
     plan = _plan(args)
     from ..models import load_model
-    from ..passes import check_plan
+    from ..verify import preflight
 
-    check_plan(plan, load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))[0])
+    model, inputs = load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))
+    preflight(model, plan, inputs)
     config = TrainConfig(
         args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace
     )
@@ -148,18 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check the rewrite against a single-process float64 reference")
     _plan_args(verify)
-    verify.add_argument("--tolerance", type=float, default=1e-10)
-    verify.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    verify.add_argument("--tolerance", type=non_negative_float, default=1e-10)
+    verify.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
     verify.set_defaults(func=cmd_verify)
 
     run = sub.add_parser("run", help="train for a few steps on a local world")
     _plan_args(run, default_world=4)
-    run.add_argument("--steps", type=int, default=5)
-    run.add_argument("--lr", type=float, default=1e-2)
+    run.add_argument("--steps", type=positive_int, default=5)
+    run.add_argument("--lr", type=positive_float, default=1e-2)
     run.add_argument("--dump", help="write the rewritten (distributed) graph to this file")
     run.add_argument("--json", help="write the per-step history to this JSON file")
     run.add_argument("--trace", help="write a Chrome/Perfetto timeline here (and one per rank: FILE.rankN.json)")
-    run.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    run.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
     run.set_defaults(func=cmd_run)
 
     add_bench_parser(sub)
@@ -175,5 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}", markup=True, soft_wrap=True)
+        print_error(error)
         return 2
+
+
+def print_error(error: BaseException) -> None:
+    """One line of `error:` and the message as written: error texts hold brackets (gloo's
+    `[/path/pair.cc:553]`, shapes) that rich must not read as markup."""
+    console.print("[red]error:[/red] ", end="")
+    console.print(str(error), markup=False, soft_wrap=True)

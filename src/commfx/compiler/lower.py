@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -50,7 +50,7 @@ def compile_training(
     def scheduled(runner: GraphRunner):
         def compiler(graph: fx.GraphModule, _example):
             overlap_collectives(graph)
-            return runner(graph)
+            return make_boxed_func(runner(graph))  # aot_autograd's calling convention: one list of args
 
         return compiler
 

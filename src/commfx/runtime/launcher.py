@@ -99,6 +99,7 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
 def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     failure_deadline = None
+    killed: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
@@ -107,10 +108,10 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
             failure_deadline = time.monotonic() + grace_s
         now = time.monotonic()
         if failure_deadline is not None and now > failure_deadline:
-            _kill_all(procs)
+            killed = _kill_all(procs)
             break
         if now > deadline:
-            _kill_all(procs)
+            killed = _kill_all(procs)
             raise LaunchError(
                 f"the job ran past its time bound of {timeout_s:.0f}s and was stopped; "
                 f"ranks still running: {[r for r, c in enumerate(codes) if c is None]}.\n"
@@ -120,32 +121,63 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
     codes = [p.wait() for p in procs]
     failed = [r for r, c in enumerate(codes) if c != 0]
     if failed:
-        first = _root_cause(job, failed)
+        first = _root_cause(job, failed, killed)
+        others = [r for r in failed if r != first]
         raise LaunchError(
-            f"rank {first} failed (exit code {codes[first]}); ranks {failed} did not finish cleanly.\n"
-            + _log_tails(job, len(procs), first=first)
+            f"rank {first} failed ({_how(job, first, codes[first])})"
+            + (f"; ranks {others} stopped after it" if others else "")
+            + ".\n"
+            + _log_tails(job, len(procs), first=first, only_first=True)
         )
 
 
-def _root_cause(job: Path, failed: list[int]) -> int:
+def _root_cause(job: Path, failed: list[int], killed: set[int]) -> int:
     """The rank that failed first in cause, not in time: survivors of a dead peer fail too.
 
-    A rank that died without a traceback (killed, crashed, exited) comes first, then one
-    whose error is not a communication failure, then the lowest rank.
+    First a rank whose own code raised (an error that is not a communication failure), then
+    one that died by itself without a traceback (crashed, exited), then one whose collective
+    failed, and last the ranks the launcher itself stopped afterwards; the lowest rank within each.
     """
 
     def rank_key(rank: int) -> tuple[int, int]:
         error = job / f"error_{rank}.txt"
-        if not error.exists():
-            return (0, rank)
-        return (2 if "CommError" in error.read_text(errors="replace") else 1, rank)
+        if error.exists():
+            return (2 if _is_communication_failure(error.read_text(errors="replace")) else 0, rank)
+        return (3 if rank in killed else 1, rank)
 
     return min(failed, key=rank_key)
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
+# What a rank says when a peer vanished under one of its collectives (commfx's own errors,
+# gloo's transport, c10d's wrappers): the consequence of another rank's failure, not a cause.
+_PEER_FAILURE_MARKERS = (
+    "CommError",
+    "DistBackendError",
+    "DistNetworkError",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "gloo/transport",
+    "Broken pipe",
+)
+
+
+def _is_communication_failure(traceback_text: str) -> bool:
+    summary = error_summary(traceback_text)
+    return any(marker in summary for marker in _PEER_FAILURE_MARKERS)
+
+
+def _how(job: Path, rank: int, code: int) -> str:
+    if (job / f"error_{rank}.txt").exists():
+        return "its code raised"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> set[int]:
+    """SIGKILL every rank still running (its whole process group); returns their ranks."""
+    killed = set()
+    for rank, p in enumerate(procs):
         if p.poll() is None:
+            killed.add(rank)
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -155,6 +187,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+    return killed
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Exit|Interrupt)\b[^\n]*")
@@ -174,7 +207,7 @@ def error_summary(text: str, lines: int = 15) -> str:
     return "\n".join([*frame, *all_lines[start : start + lines]])
 
 
-def _log_tails(job: Path, world_size: int, first: int | None = None, lines: int = 15) -> str:
+def _log_tails(job: Path, world_size: int, first: int | None = None, lines: int = 15, only_first: bool = False) -> str:
     order = ([first] if first is not None else []) + [r for r in range(world_size) if r != first]
     parts = []
     for rank in order:
@@ -183,6 +216,6 @@ def _log_tails(job: Path, world_size: int, first: int | None = None, lines: int 
         tail = error_summary(text, lines)
         if tail:
             parts.append(f"--- rank {rank} ---\n{tail}")
-        if len(parts) >= 2:
+        if len(parts) >= (1 if only_first else 2):
             break
     return "\n".join(parts)

@@ -1,0 +1,52 @@
+"""The README's recipes, run as written: examples/ on 2 gloo ranks, a few steps."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def run(argv: list[str], timeout: float = 300) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def torchrun(script: str, *args: str) -> str:
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLES / script), *args])
+
+
+def losses(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
+
+
+@pytest.mark.distributed
+def test_torchrun_training_script_on_a_raw_hf_moe_model():
+    out = torchrun("train_hf_moe.py", "--steps", "3")
+    values = losses(out)
+    assert len(values) == 3 and values[-1] < values[0], out
+
+
+@pytest.mark.distributed
+def test_torch_compile_script_with_the_commfx_backend():
+    out = torchrun("compile_hf_moe.py", "--steps", "3")
+    values = losses(out)
+    assert len(values) == 3 and values[-1] < values[0], out
+
+
+@pytest.mark.distributed
+def test_model_file_for_the_cli_verifies_and_runs():
+    commfx = [sys.executable, "-m", "commfx"]
+    out = run([*commfx, "verify", "examples/hf_moe_model.py:build", "--world-size", "2"])
+    assert "PASS" in out
+    out = run([*commfx, "run", "examples/hf_moe_model.py:build", "--world-size", "2", "--steps", "2"])
+    assert len(losses(out)) >= 2, out
