@@ -42,7 +42,7 @@ def main() -> None:
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
     )
-    model = MixtralForCausalLM(config)
+    model = MixtralForCausalLM(config)  # as transformers returns it
 
     plan = commfx.Plan.from_cli(args.passes, world_size=world)
     data = batches(rank, world, batch=4, seq=32)

@@ -175,3 +175,16 @@ def raises_on_one_rank(rank: int, world_size: int, raising_rank: int) -> str:
         raise ValueError(f"the model factory failed on rank {rank}")
     dist.barrier()
     return "finished"
+
+
+def hangs_before_distribute(rank: int, world_size: int, hanging_rank: int) -> str:
+    """User code that hangs on one rank before distribute: the others wait at the rendezvous."""
+    import dataclasses
+    import time
+
+    model, (ids,) = load_model("gpt-moe-tiny")
+    if rank == hanging_rank:
+        time.sleep(3600)  # a user's data loader stuck on a file lock, say
+    plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=world_size), collective_timeout_s=4.0)
+    distribute(model, plan, (split_batch(ids, world_size, rank),))
+    return "finished"

@@ -83,3 +83,91 @@ def test_the_rank_whose_code_raised_is_named_not_the_one_stopped_after_it():
     assert message.startswith("rank 1 failed (its code raised)"), message
     assert "the model factory failed on rank 1" in message
     assert "--- rank 0 ---" not in message  # printed once: the root cause's error only
+
+
+MODEL_FILE = '''
+import torch
+from commfx.models import load_model
+
+
+def swapped():
+    model, (ids,) = load_model("gpt-moe-tiny")
+    return (ids,), model
+
+
+def wrong_keyword():
+    model, (ids,) = load_model("gpt-moe-tiny")
+    return model, {"idx": ids}
+
+
+def keywords():
+    model, (ids,) = load_model("gpt-moe-tiny")
+    return model, {"input_ids": ids}
+
+
+def raises():
+    raise RuntimeError("no weights here")
+'''
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "models.py"
+    path.write_text(MODEL_FILE)
+    (tmp_path / "broken.py").write_text("def build(:\n    pass\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "function, extra, message",
+    [
+        ("swapped", [], "returned (tuple, GPTMoE): the order is (model, example_inputs); swap them"),
+        ("wrong_keyword", [], "cannot take the example inputs (0 positional, idx=)"),
+        ("raises", [], "raised RuntimeError: no weights here (at "),
+        ("nope", [], "has no function 'nope'"),
+        ("keywords", ["--batch", "3"], "--batch 3 does not apply to a model file"),
+    ],
+)
+def test_model_file_errors_are_one_clear_line(capsys, model_file, function, extra, message):
+    assert main(["dump", f"{model_file}:{function}", *extra]) == 2
+    out = capsys.readouterr().out
+    assert message in out.replace("\n", " ") and out.count("error:") == 1 and "Traceback" not in out
+
+
+def test_model_file_syntax_error_names_the_line(capsys, model_file):
+    assert main(["dump", f"{model_file.parent / 'broken.py'}:build"]) == 2
+    assert "broken.py:1: syntax error" in capsys.readouterr().out
+
+
+def test_model_file_may_return_keyword_inputs(capsys, model_file):
+    assert main(["dump", f"{model_file}:keywords", "--world-size", "2"]) == 0
+    assert "commfx.all_to_all" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "passes, message",
+    [
+        ("lift,partition_a2a", "--passes lift,expert_parallel,partition_a2a"),
+        ("partition_a2a", "--passes lift,expert_parallel,partition_a2a"),
+        ("lift,expert_parallel,partition_a2a:k=2,grad_chunk_bytes=4096", "Options of one pass are separated by ';'"),
+    ],
+)
+def test_pass_list_hints_keep_the_users_passes(capsys, passes, message):
+    assert main(["dump", "gpt-moe-tiny", "--passes", passes]) == 2
+    assert message in capsys.readouterr().out.replace("\n", " ")
+
+
+@pytest.mark.distributed
+def test_a_rank_hung_before_distribute_is_named_with_its_stack():
+    """Rank 1 hangs in user code; rank 0 waits at distribute's rendezvous, which is bounded by
+    Plan.collective_timeout_s (4 s here) and names rank 1; the launcher stops rank 1 and shows
+    where it was."""
+    from commfx.runtime.launcher import LaunchError, launch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with pytest.raises(LaunchError) as info:
+        launch("dist_workers:hangs_before_distribute", 2, {"hanging_rank": 1}, timeout_s=120, grace_s=3)
+    message = str(info.value)
+    assert message.startswith("rank 0 failed (its code raised)"), message
+    assert "rank(s) 1 did not reach commfx's rendezvous" in message
+    assert "rank 1, stopped by the launcher, was at" in message and "in hangs_before_distribute" in message

@@ -50,3 +50,18 @@ def test_model_file_for_the_cli_verifies_and_runs():
     assert "PASS" in out
     out = run([*commfx, "run", "examples/hf_moe_model.py:build", "--world-size", "2", "--steps", "2"])
     assert len(losses(out)) >= 2, out
+
+
+def test_readme_python_blocks_are_quoted_from_the_examples():
+    """Every line of a Python block in the README appears in the examples/ file the text
+    just before it names, so the README shows code that the tests above run."""
+    readme = (ROOT / "README.md").read_text()
+    checked = 0
+    for match in re.finditer(r"```python\n(.*?)```", readme, re.S):
+        named = re.findall(r"examples/(\w+\.py)", readme[: match.start()])
+        assert named, f"a Python block in the README names no examples/ file before it:\n{match.group(1)}"
+        source = {line.strip() for line in (EXAMPLES / named[-1]).read_text().splitlines()}
+        for line in filter(None, (l.strip() for l in match.group(1).splitlines())):
+            assert line in source, f"README line not in examples/{named[-1]}: {line!r}"
+            checked += 1
+    assert checked >= 10

@@ -41,7 +41,7 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwarg
             f"make them agree (--world-size {world})"
         )
     rank = dist.get_rank()
-    groups = build_groups(plan.topology, rank)
+    groups = build_groups(plan.topology, rank, timeout_s=plan.collective_timeout_s)
     scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
     # Cost models must choose the same on every rank, however uneven the batches.
     args, kwargs = split_inputs(example_inputs, example_kwargs)

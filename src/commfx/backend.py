@@ -94,7 +94,7 @@ class CommfxBackend:
                         f"{dist.get_world_size()} ranks; make them agree"
                     )
                 rank = dist.get_rank()
-                self._scheduler = CommScheduler(topology, rank, build_groups(topology, rank), timeout_s=self.plan.collective_timeout_s)
+                self._scheduler = CommScheduler(topology, rank, build_groups(topology, rank, timeout_s=self.plan.collective_timeout_s), timeout_s=self.plan.collective_timeout_s)
             elif topology.world_size == 1:
                 self._scheduler = local_scheduler(topology)
             else:

@@ -172,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler.capture import CaptureError
     from ..passes import PassError
-    from ..runtime.launcher import LaunchError
+    from ..runtime.launcher import LaunchError, Stopped
 
     try:
         return args.func(args)
     except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
         print_error(error)
         return 2
+    except Stopped as stop:
+        console.print(f"{stop}: every rank was stopped and the job directory removed", markup=False)
+        return 128 + stop.signum
 
 
 def print_error(error: BaseException) -> None:

@@ -35,6 +35,15 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
     when labels are passed).
     """
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    signature = _signature(model)
+    if signature is not None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise CaptureError(
+                f"{type(model).__name__}.forward{signature} cannot take the example inputs "
+                f"({', '.join([f'{len(args)} positional'] + [f'{k}=' for k in kwargs])}): {error}"
+            ) from None
     choose_experts_implementation(model)
     torch._dynamo.reset()
     args = tuple(t.clone() for t in args)
@@ -67,7 +76,6 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
     names = parameter_names(model)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     positions = to_fx_convention(gm, example, names, len(args) + len(kwargs))
-    signature = _signature(model)
     return Program(
         gm=gm,
         modules=dict(model.named_modules()),

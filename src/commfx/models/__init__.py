@@ -7,6 +7,7 @@ batch; the runtime splits it along dim 0 across data-parallel ranks.
 from __future__ import annotations
 
 import importlib.util
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +34,11 @@ def load_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
 
         return build_hf_moe(spec[3:], seed=seed, dtype=dtype, **kwargs)
     if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
+        if kwargs:
+            given = ", ".join(f"--{k} {v}" for k, v in kwargs.items())
+            raise ValueError(
+                f"{given} does not apply to a model file: {spec} returns its own batch; change the batch there"
+            )
         return _load_from_file(spec, seed=seed, dtype=dtype)
     raise ValueError(
         f"unknown model {spec!r}: use a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
@@ -48,20 +54,56 @@ def _load_from_file(spec: str, *, seed: int, dtype: torch.dtype) -> ModelAndInpu
         raise ValueError(f"model file {path} does not exist (from model spec {spec!r})")
     module_spec = importlib.util.spec_from_file_location(f"commfx_user_model_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise ValueError(f"{path}:{error.lineno}: syntax error: {error.msg}") from None
+    except Exception as error:
+        raise ValueError(f"importing {path} raised {type(error).__name__}: {error}{_user_line(error, path)}") from None
     factory = getattr(module, function_name, None)
     if not callable(factory):
-        raise ValueError(f"{path} has no function {function_name!r} (from model spec {spec!r})")
+        found = [name for name, value in vars(module).items() if callable(value) and not name.startswith("_") and getattr(value, "__module__", None) == module.__name__]
+        raise ValueError(f"{path} has no function {function_name!r} (from model spec {spec!r}); it defines: {', '.join(found) or 'none'}")
     torch.manual_seed(seed)
-    result = factory()
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-        raise ValueError(f"{spec}: the function must return (model, example_inputs), got {type(result).__name__}")
-    model, example_inputs = result
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
+    try:
+        result = factory()
+    except Exception as error:
+        raise ValueError(f"{spec} raised {type(error).__name__}: {error}{_user_line(error, path)}") from None
+    model, example_inputs = _model_and_inputs(spec, result)
     model = model.to(dtype)
-    example_inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in example_inputs)
-    return model, example_inputs
+    if isinstance(example_inputs, dict):
+        return model, {k: _cast(t, dtype) for k, t in example_inputs.items()}
+    return model, tuple(_cast(t, dtype) for t in example_inputs)
+
+
+def _model_and_inputs(spec: str, result) -> tuple[torch.nn.Module, tuple | dict]:
+    """Check what a model file's function returned: (model, inputs), inputs a tensor, a
+    tuple of tensors, or a dict of keyword tensors."""
+    kinds = f"({', '.join(type(r).__name__ for r in result)})" if isinstance(result, tuple) else type(result).__name__
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], torch.nn.Module) and not isinstance(result[0], torch.nn.Module):
+        raise ValueError(f"{spec} returned {kinds}: the order is (model, example_inputs); swap them")
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise ValueError(f"{spec}: the function must return (model, example_inputs), got {kinds}")
+    model, inputs = result
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+    if not all(isinstance(t, torch.Tensor) for t in values) or not values:
+        raise ValueError(
+            f"{spec}: example_inputs must be a tensor, a tuple of tensors or a dict of keyword tensors (the global batch); "
+            f"got {type(inputs).__name__} of {sorted({type(v).__name__ for v in values})}"
+        )
+    return model, dict(inputs) if isinstance(inputs, dict) else tuple(inputs)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _user_line(error: BaseException, path: Path) -> str:
+    """' (at file.py:12)': the deepest frame of the traceback inside the user's file."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return f" (at {path}:{frames[-1].lineno})" if frames else ""
 
 
 __all__ = ["BUILTIN_MODELS", "GPTMoE", "GPTMoEConfig", "build_gpt_moe", "load_model"]

@@ -73,20 +73,35 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
     once and after the passes it needs, that its options parse, and (given the model) that
     each pass fits it. Errors say what is wrong and how to fix it."""
     plan.validate()
-    seen: set[str] = set()
+    seen: list[str] = []
     for spec in plan.passes:
+        if spec.name not in REGISTRY and "=" in spec.name:
+            raise PlanError(
+                f"{spec.name!r} is not a pass: it looks like an option. Options of one pass are separated by ';' "
+                f"and passes by ',', e.g. --passes \"lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=4096\""
+            )
         pass_cls = get_pass(spec.name)
         if spec.name in seen:
             raise PlanError(f"pass {spec.name!r} appears twice in the plan; list it once")
-        seen.add(spec.name)
-        missing = [r for r in pass_cls.requires_passes if r not in seen]
+        missing = [r for r in _with_prerequisites(pass_cls.requires_passes) if r not in seen]
         if missing:
+            fixed = [*seen, *missing, *(p.name for p in plan.passes[len(seen) :])]
             raise PlanError(
-                f"pass {spec.name!r} needs {', '.join(missing)} before it; "
-                f"for example --passes {','.join(missing + [spec.name])}"
+                f"pass {spec.name!r} needs {', '.join(missing)} before it; for example --passes {','.join(fixed)}"
             )
+        seen.append(spec.name)
         pass_cls.check_plan(plan, build_options(pass_cls, spec.options), model)
     return plan
+
+
+def _with_prerequisites(names: tuple[str, ...]) -> list[str]:
+    """`names` and what they need in turn, in the order a plan lists them."""
+    ordered: list[str] = []
+    for name in names:
+        for needed in _with_prerequisites(get_pass(name).requires_passes) + [name]:
+            if needed not in ordered:
+                ordered.append(needed)
+    return ordered
 
 
 def plan_options(plan: Plan, name: str):

@@ -16,7 +16,9 @@ never reorders one (see `priority.py`).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import defaultdict
+from datetime import timedelta
 from dataclasses import dataclass, field
 
 import torch
@@ -231,9 +233,16 @@ def group_key(name: str, priority: str = DEFAULT_CLASS) -> str:
     return name if priority == DEFAULT_CLASS else f"{priority}/{name}"
 
 
-def build_groups(topology: Topology, rank: int) -> dict[str, GroupHandle]:
+def build_groups(topology: Topology, rank: int, timeout_s: float | None = None) -> dict[str, GroupHandle]:
     """Create every process group of the plan, once per priority class (collectively: all
-    ranks call this, and create every group in the same order)."""
+    ranks call this, and create every group in the same order).
+
+    With `timeout_s`, every rank first meets the others at a monitored barrier: a rank that
+    never arrives (hung or slow in user code before `distribute`) is named in the error
+    within that time, and group creation is bounded by it too."""
+    if timeout_s is not None and topology.world_size > 1 and dist.is_initialized():
+        _rendezvous(timeout_s)
+    bound = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
     handles: dict[str, GroupHandle] = {}
     world = list(range(topology.world_size))
     for priority in sorted(PRIORITY_CLASSES, key=lambda n: PRIORITY_CLASSES[n].level):
@@ -242,13 +251,26 @@ def build_groups(topology: Topology, rank: int) -> dict[str, GroupHandle]:
                 if ranks == world and len(ranks) > 1 and priority == DEFAULT_CLASS:
                     pg = dist.group.WORLD
                 elif len(ranks) > 1:
-                    pg = dist.new_group(ranks)  # collective over the world: every rank creates every group
+                    pg = dist.new_group(ranks, **bound)  # collective over the world: every rank creates every group
                 else:
                     pg = None
                 if rank in ranks:
                     key = group_key(name, priority)
                     handles[key] = GroupHandle(key, pg, ranks, ranks.index(rank))
     return handles
+
+
+def _rendezvous(timeout_s: float) -> None:
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as error:
+        missing = re.findall(r"\d+", str(error).split("failed to pass", 1)[0].rsplit("Ranks", 1)[-1]) if "failed to pass" in str(error) else []
+        who = f"rank(s) {', '.join(missing)}" if missing else "some rank"
+        raise CommError(
+            f"{who} did not reach commfx's rendezvous (building process groups in distribute or the backend) "
+            f"within {timeout_s:g}s: they are hung or slow in the code before it, or died. Plan.collective_timeout_s "
+            f"sets this bound. ({str(error).strip().splitlines()[0]})"
+        ) from None
 
 
 def local_scheduler(topology: Topology | None = None) -> CommScheduler:

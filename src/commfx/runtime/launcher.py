@@ -10,6 +10,7 @@ a hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,19 @@ from typing import Any, Callable
 
 class LaunchError(RuntimeError):
     """A rank failed, or the job ran past its time bound."""
+
+
+class Stopped(BaseException):
+    """The launcher was told to stop (SIGTERM, SIGINT or SIGHUP): its ranks are stopped and
+    the job directory removed before this propagates. A BaseException, like KeyboardInterrupt,
+    so nothing in between swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -59,7 +74,7 @@ def launch(
 
     Returns each rank's return value, in rank order.
     """
-    with tempfile.TemporaryDirectory(prefix="commfx-job-") as tmp:
+    with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="commfx-job-") as tmp:
         job = Path(tmp)
         (job / "job.pkl").write_bytes(
             pickle.dumps(
@@ -72,11 +87,32 @@ def launch(
             for rank in range(world_size)
         ]
         try:
-            _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
+            with _stop_on_signals():
+                _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
         except BaseException:
             _kill_all(procs)
             raise
         return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """While ranks run, SIGTERM/SIGINT/SIGHUP raise `Stopped` here (so the ranks are killed
+    and the job directory removed on the way out) instead of ending this process on the
+    spot and orphaning them. Only the main thread can take signals; elsewhere, no change."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
@@ -86,7 +122,14 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
     extra_paths = [src_root, *[p for p in sys.path if p and Path(p).is_dir() and "site-packages" not in p and "lib/python" not in p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(extra_paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
     env.update(
-        {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+        {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            "COMMFX_LAUNCHER_PID": str(os.getpid()),  # the worker exits if this process dies
+        }
     )
     env.update(extra.env)
     log = open(job / f"log_{rank}.txt", "wb")
@@ -108,14 +151,17 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
             failure_deadline = time.monotonic() + grace_s
         now = time.monotonic()
         if failure_deadline is not None and now > failure_deadline:
+            _dump_stacks(procs)
             killed = _kill_all(procs)
             break
         if now > deadline:
+            running = [r for r, c in enumerate(codes) if c is None]
+            _dump_stacks(procs)
             killed = _kill_all(procs)
             raise LaunchError(
                 f"the job ran past its time bound of {timeout_s:.0f}s and was stopped; "
-                f"ranks still running: {[r for r, c in enumerate(codes) if c is None]}.\n"
-                + _log_tails(job, len(procs))
+                f"ranks still running: {running}. What they were doing:\n"
+                + "\n".join(f"--- rank {r} ---\n{_last_stack(job, r)}" for r in running)
             )
         time.sleep(0.05)
     codes = [p.wait() for p in procs]
@@ -128,6 +174,7 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
             + (f"; ranks {others} stopped after it" if others else "")
             + ".\n"
             + _log_tails(job, len(procs), first=first, only_first=True)
+            + "".join(f"\n--- rank {r}, stopped by the launcher, was at ---\n{_last_stack(job, r, lines=6)}" for r in sorted(killed))
         )
 
 
@@ -170,6 +217,35 @@ def _how(job: Path, rank: int, code: int) -> str:
     if (job / f"error_{rank}.txt").exists():
         return "its code raised"
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 1.0) -> None:
+    """Ask every running rank for its threads' stacks (the worker's faulthandler writes
+    them to its log on SIGUSR1)."""
+    asked = False
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                asked = True
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(wait_s)
+
+
+def _last_stack(job: Path, rank: int, lines: int = 12) -> str:
+    """The main thread's stack from the rank's last faulthandler dump (innermost call first)."""
+    text = (job / f"log_{rank}.txt").read_text(errors="replace")
+    start = text.rfind("Current thread")
+    if start < 0:
+        return error_summary(text, lines) or "(no stack: the rank did not answer)"
+    block = text[start:].splitlines()
+    frames = [line.strip() for line in block[1:] if line.strip().startswith("File ")]
+    user = [f for f in frames if "/site-packages/" not in f and "/lib/python" not in f]
+    shown = frames[:lines]
+    where = f"\n(innermost frame of its own code: {user[0]})" if user and user[0] not in shown[:3] else ""
+    return block[0] + "\n  " + "\n  ".join(shown) + where
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> set[int]:

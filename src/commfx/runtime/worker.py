@@ -7,17 +7,65 @@ MASTER_ADDR, MASTER_PORT and WORLD_SIZE. A failure writes the traceback to
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import importlib
 import os
 import pickle
+import signal
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
 
+def watch_parent(launcher_pid: int, every_s: float = 0.5) -> None:
+    """Exit when the launcher dies, however it dies (SIGKILL included): the kernel's
+    parent-death signal where there is one, and a thread that checks the parent as a backstop
+    (the parent may already be gone, or be a wrapper such as `ip netns exec`'s)."""
+    if not launcher_pid:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    parent = os.getppid()
+
+    def alive() -> bool:
+        # Reparenting (to init or a subreaper) happens the moment the parent dies, before
+        # anyone reaps it; a wrapper that forked us is watched the same way.
+        return os.getppid() == parent and parent != 1
+
+    def watch() -> None:
+        while alive():
+            time.sleep(every_s)
+        os._exit(3)
+
+    if not alive() or (parent != launcher_pid and not _exists(launcher_pid)):
+        os._exit(3)
+    threading.Thread(target=watch, name="commfx-parent-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def main(job_dir: str, rank_text: str) -> int:
     job_path, rank = Path(job_dir), int(rank_text)
+    # The launcher sends SIGUSR1 before it stops a rank that is still running at a deadline:
+    # every thread's stack goes to this rank's log, so the error can say what it was doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    watch_parent(int(os.environ.get("COMMFX_LAUNCHER_PID", "0")))
     job = pickle.loads((job_path / "job.pkl").read_bytes())
     try:
         import torch.distributed as dist
