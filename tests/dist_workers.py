@@ -188,3 +188,34 @@ def hangs_before_distribute(rank: int, world_size: int, hanging_rank: int) -> st
     plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=world_size), collective_timeout_s=4.0)
     distribute(model, plan, (split_batch(ids, world_size, rank),))
     return "finished"
+
+
+def changing_shapes(rank: int, world_size: int, spec: str) -> dict:
+    """distribute once, then call with other sequence lengths and batch sizes (this rank's
+    batch sizes differ from its peers')."""
+    model, (ids,) = load_model(spec, dtype=torch.float64, batch=4, seq=16)
+    dm = distribute(model, Plan.from_cli("lift,expert_parallel", world_size=world_size), (split_batch(ids, world_size, rank),))
+    outputs = []
+    for batch, seq in [(4, 16), (4, 12), (6 + rank, 9), (4, 16)]:
+        generator = torch.Generator().manual_seed(100 * batch + seq)
+        new = torch.randint(0, 32, (batch, seq), generator=generator)
+        out = dm(new)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        logits.sum().backward()
+        outputs.append((new, logits.detach()))
+    return {"outputs": outputs, "lowered": len(dm._compiled)}
+
+
+def backend_shapes(rank: int, world_size: int, dynamic) -> dict:
+    """torch.compile with the commfx backend; new shapes arrive, on one rank only at step 2."""
+    import commfx
+
+    model, _ = load_model("gpt-moe-tiny", dtype=torch.float64)
+    compiled = torch.compile(model, backend=commfx.backend(Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=world_size)), dynamic=dynamic)
+    shapes = [(2, 16), (3 if rank == 0 else 2, 16), (3, 12)]
+    outputs = []
+    for batch, seq in shapes:
+        ids = torch.randint(0, 32, (batch, seq), generator=torch.Generator().manual_seed(10 * rank + batch + seq))
+        out = compiled(ids)
+        outputs.append((ids, out.detach()))
+    return {"outputs": outputs}

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from commfx.models import load_model
 from commfx.plan import Plan, Topology, PassSpec
 from commfx.runtime.launcher import LaunchError, launch
 from commfx.verify import VerifyCase, verify
@@ -62,3 +65,22 @@ def test_experts_are_really_sharded_and_state_dict_round_trips():
         assert r["local"] == r["full"] - r["expert_full"] // 2
         assert r["changed"] and r["restored"]
         assert "different expert placement" in r["mismatch_error"]
+
+
+@pytest.mark.parametrize("spec", ["gpt-moe-tiny", "hf:qwen3_moe"])
+def test_sequence_length_and_batch_may_change_between_calls(spec):
+    """One captured graph, symbolic in batch and sequence length; each rank lowers new shapes
+    on its own (ranks here even use different batch sizes at once) and stays exact."""
+    from commfx.models.hf import choose_experts_implementation, training_forward
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    results = launch("dist_workers:changing_shapes", 2, {"spec": spec}, timeout_s=300)
+    model, _ = load_model(spec, dtype=torch.float64, batch=4, seq=16)
+    choose_experts_implementation(model)
+    for result in results:
+        assert result["lowered"] == 3  # (4,16) is reused the second time
+        for ids, got in result["outputs"]:
+            with training_forward(model):
+                out = model(ids)
+            ref = out if isinstance(out, torch.Tensor) else out.logits
+            assert got.shape == ref.shape and (got - ref).abs().max() <= 1e-10

@@ -49,13 +49,18 @@ class CommfxBackend:
         # Per compiled graph: {"forward": gm, "backward": gm}; backward appears at the first backward.
         self.graphs: list[dict[str, fx.GraphModule]] = []
         self._scheduler: CommScheduler | None = None
+        self._agreed_tokens: int | None = None
         self._syncs: list[GradientSync] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         program, positions = _program_from_dynamo(gm, example_inputs)
         scheduler = self._scheduler_for_world()
         user_inputs = [example_inputs[i] for i in positions]
-        program.annotations["tokens_per_rank"] = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
+        if self._agreed_tokens is None:
+            # The first graph is compiled by every rank together (SPMD); later ones (recompiles
+            # for new shapes, maybe on one rank only) reuse its figure and run no collective.
+            self._agreed_tokens = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
+        program.annotations["tokens_per_rank"] = self._agreed_tokens
         run_passes(program, self.plan, where_applicable=True)
         # The user's parameters are full-size (experts sliced in-graph), so every gradient,
         # expert rows included, is summed over the world.

@@ -26,7 +26,8 @@ class CaptureError(RuntimeError):
 
 def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None) -> Program:
     """Trace `model(*example_inputs, **example_kwargs)` into a Program whose batch dimension
-    (dim 0 of every tensor input) is symbolic.
+    (dim 0 of every tensor input) is symbolic, and the sequence dimension (dim 1) too where
+    the model allows it.
 
     `example_inputs` may also be a dict of keyword tensors (HF style: input_ids=, labels=).
     Hugging Face models are taken as transformers returns them: the forward is traced
@@ -51,6 +52,11 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
     for t in (*args, *kwargs.values()):
         if t.dim() > 0 and t.shape[0] >= 2:
             torch._dynamo.mark_dynamic(t, 0)
+        if t.dim() > 1 and t.shape[1] >= 2:
+            # The sequence length too, where the model lets it vary (it stays a constant
+            # where the model specialises it): one graph then serves every length, so ranks
+            # lower new shapes locally without agreeing on anything.
+            torch._dynamo.maybe_mark_dynamic(t, 1)
     recorded: list[tuple[fx.GraphModule, list]] = []
 
     def record(gm: fx.GraphModule, example: list):

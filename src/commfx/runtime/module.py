@@ -12,6 +12,7 @@ them. Its state_dict holds the local parameters under the original names (prefix
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable, Protocol
 
 import torch
@@ -59,13 +60,31 @@ class DistributedModule(torch.nn.Module):
         install_default(scheduler)
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
+        # One lowering per input signature. The captured graph is symbolic in batch and (where
+        # the model allows) sequence length and the same on every rank, so a rank lowers a new
+        # shape on its own: its collectives are the graph's, in the graph's order, whatever
+        # the shape. The bound keeps a stream of new lengths from lowering without end.
         self._compiled: dict[tuple, object] = {}
+        self.max_signatures = 16
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         inputs = graph_inputs(self.program, args, kwargs)
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
+            if len(self._compiled) >= self.max_signatures:
+                raise RuntimeError(
+                    f"{len(self._compiled)} input shapes were lowered already (the limit, max_signatures); "
+                    f"another, {[s for s, _ in signature]}, would lower again. Pad inputs to a few lengths "
+                    "(buckets), or raise DistributedModule.max_signatures."
+                )
+            if self._compiled:
+                print(
+                    f"commfx: rank {self.scheduler.rank} lowers the graph for new input shapes "
+                    f"{[list(s) for s, _ in signature]} ({len(self._compiled) + 1} of at most {self.max_signatures})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             compiled = self._compiled[signature] = self._compile(inputs)
         flat = compiled(*inputs)
         return pytree.tree_unflatten(list(flat), self.program.out_spec)
