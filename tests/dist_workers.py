@@ -219,3 +219,15 @@ def backend_shapes(rank: int, world_size: int, dynamic) -> dict:
         out = compiled(ids)
         outputs.append((ids, out.detach()))
     return {"outputs": outputs}
+
+
+def empty_rank(rank: int, world_size: int, spec: str) -> dict:
+    """The global batch has fewer rows than ranks: the last rank gets none and still takes
+    part in every collective."""
+    model, (ids,) = load_model(spec, dtype=torch.float64, batch=world_size - 1)
+    local = split_batch(ids, world_size, rank)
+    dm = distribute(model, Plan.from_cli("lift,expert_parallel", world_size=world_size), (local,))
+    out = dm(local)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    (logits * 1.0).sum().backward()
+    return {"rows": local.shape[0], "logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None}}

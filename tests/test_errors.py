@@ -171,3 +171,15 @@ def test_a_rank_hung_before_distribute_is_named_with_its_stack():
     assert message.startswith("rank 0 failed (its code raised)"), message
     assert "rank(s) 1 did not reach commfx's rendezvous" in message
     assert "rank 1, stopped by the launcher, was at" in message and "in hangs_before_distribute" in message
+
+
+@pytest.mark.distributed
+def test_a_rank_without_rows_gets_a_clear_error_not_a_graph_break_hint():
+    from commfx.runtime.launcher import LaunchError, launch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with pytest.raises(LaunchError) as info:
+        launch("dist_workers:empty_rank", 2, {"spec": "gpt-moe-tiny"}, timeout_s=120, grace_s=3)
+    message = str(info.value)
+    assert "rank 1 failed" in message and "this rank's batch has no rows" in message
+    assert "graph break" not in message

@@ -36,6 +36,13 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
     when labels are passed).
     """
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    empty = [name for name, t in [*((f"input {i}", t) for i, t in enumerate(args)), *kwargs.items()] if t.dim() and t.shape[0] == 0]
+    if empty:
+        raise CaptureError(
+            f"this rank's batch has no rows ({', '.join(empty)}): the global batch has fewer rows than there are "
+            "ranks. Every rank needs at least one row (models reshape by the batch, e.g. view(0, heads, -1), which "
+            "cannot run on an empty batch even eagerly); use a global batch of at least the world size."
+        )
     signature = _signature(model)
     if signature is not None:
         try:
