@@ -142,3 +142,12 @@ def test_backend_and_distribute_equal_eager_with_hf_loss(family, passes):
                     start, stop = placement[name]
                     expected = expected[start:stop]
                 assert (got["grads"][name] - expected).abs().max() <= 1e-10, (door, rank, name)
+
+
+def test_backend_rejects_gpt_oss_by_name():
+    from commfx.backend import backend
+
+    model, (ids,) = __import__("commfx.models", fromlist=["load_model"]).load_model("hf:gpt_oss")
+    compiled = torch.compile(model, backend=backend(Plan.from_cli("lift,expert_parallel", world_size=1)))
+    with pytest.raises(Exception, match=r"unrecognised MoE-like modules: model\.layers\.0\.mlp\.experts \(GptOssExperts\)"):
+        compiled(ids)

@@ -255,5 +255,6 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
         model, inputs = build_case_model(case)
         preflight(model, case.plan, inputs)
-    results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s)
+    collective_timeout_s = max(case.plan.collective_timeout_s for case in cases)
+    results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
     return [compare(case, [r[i] for r in results], world_size, tolerance) for i, case in enumerate(cases)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -30,10 +31,18 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0, help="ranks per node (bytes are split intra/inter node)")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--collective-timeout",
+        type=positive_float,
+        default=120.0,
+        metavar="SECONDS",
+        help="bound on every wait inside the ranks: the rendezvous, group creation, each collective (default 120)",
+    )
 
 
 def _plan(args) -> Plan:
-    return Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, ranks_per_node=args.ranks_per_node)
+    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, ranks_per_node=args.ranks_per_node)
+    return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout)
 
 
 def cmd_passes(args) -> int:
@@ -117,7 +126,14 @@ def cmd_run(args) -> int:
     )
     console.print(f"training {args.model} for {args.steps} steps on {args.world_size} local gloo ranks, passes {args.passes}")
     start = time.perf_counter()
-    results = launch("commfx.train:train_worker", args.world_size, {"config": config}, timeout_s=args.timeout, stream_rank0=True)
+    results = launch(
+        "commfx.train:train_worker",
+        args.world_size,
+        {"config": config},
+        timeout_s=args.timeout,
+        collective_timeout_s=plan.collective_timeout_s,
+        stream_rank0=True,
+    )
     history = results[0]["history"]
     console.print(
         f"done in {time.perf_counter() - start:.1f}s: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "

@@ -42,7 +42,8 @@ class ExpertParallel(Pass):
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("moe_blocks"))
+        # A graph with MoE-looking modules no recogniser matched is not skipped: run() names them.
+        return bool(program.annotations.get("moe_blocks") or program.annotations.get("unmatched_moe"))
 
     @dataclasses.dataclass(frozen=True)
     class Options:

@@ -52,10 +52,13 @@ def _is_hf_gated_experts(cls: type, module: nn.Module | None) -> bool:
     """HF v5 experts made by `use_experts_implementation` with the default layout."""
     if not hasattr(cls, "_apply_gate") or "transformers" not in cls.__module__:
         return False
-    if module is None:  # the compile backend sees classes only: trust the default layout
-        return True
     from transformers.integrations.moe import _default_apply_gate
 
+    default_gate = getattr(cls._apply_gate, "__func__", cls._apply_gate) is _default_apply_gate
+    if module is None:
+        # The compile backend sees classes only: the layout flags live on instances, but a
+        # custom gate (gpt-oss's clamped, biased one) shows on the class.
+        return default_gate
     return (
         getattr(module, "has_gate", False)
         and not getattr(module, "has_bias", True)
