@@ -231,3 +231,25 @@ def empty_rank(rank: int, world_size: int, spec: str) -> dict:
     logits = out if isinstance(out, torch.Tensor) else out.logits
     (logits * 1.0).sum().backward()
     return {"rows": local.shape[0], "logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None}}
+
+
+def dispatch_rows(rank: int, world_size: int, passes: str) -> dict:
+    """Rows this rank's dispatch all-to-alls send, and the unique (token, rank) pairs of its
+    routing (from the routers' own top-k, recorded by a forward hook on the eager model)."""
+    from commfx.models.gpt_moe import TopKRouter
+
+    model, (ids,) = load_model("gpt-moe", batch=4)
+    local = split_batch(ids, world_size, rank)
+    chosen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: chosen.append(out[1])) for m in model.modules() if isinstance(m, TopKRouter)]
+    model(local)
+    for hook in hooks:
+        hook.remove()
+    experts_per_rank = model.config.num_experts // world_size
+    unique = sum(len(set(row.tolist())) for indices in chosen for row in indices // experts_per_rank)
+    dm = distribute(model, Plan.from_cli(passes, world_size=world_size), (local,))
+    dm.scheduler.records = []
+    dm(local)
+    token_rows = [r for r in dm.scheduler.records if r.kind == "all_to_all" and r.row_shape == (model.config.hidden_size,)]
+    dispatches = token_rows[0::2]  # each MoE layer: the dispatch, then the combine
+    return {"tokens": local.numel(), "dispatch_rows": sum(sum(r.send_rows) for r in dispatches), "unique_token_rank_pairs": unique}

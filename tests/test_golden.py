@@ -72,3 +72,20 @@ def test_backward_graph_holds_the_backward_all_to_alls():
     assert backward.count("commfx.all_to_all_start(") == 2
     assert backward.count("commfx.wait_tensor(") == 2
     assert "commfx.expert_ffn_backward(" in backward
+
+
+def test_golden_packed_graphs():
+    """pack_experts: once-per-rank dispatch (token rows + routing), local fan-out and weighted
+    sum at the expert rank, one row back; three all-to-alls per direction in forward and backward."""
+    texts = rendered("gpt-moe-tiny", "lift,expert_parallel,pack_experts")
+    for stage in ("distributed", "forward", "backward"):
+        path = GOLDEN / f"gpt-moe-tiny.ep4.packed.{stage}.txt"
+        if os.environ.get("COMMFX_UPDATE_GOLDEN"):
+            path.write_text(texts[stage])
+        assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
+        assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+    distributed = texts["distributed"]
+    assert "commfx.rank_dispatch(" in distributed and "commfx.scatter_add_tokens(" in distributed
+    assert "commfx.group_by_expert(" not in distributed and "pack_experts:" in distributed
+    for stage in ("forward", "backward"):
+        assert texts[stage].count("commfx.all_to_all_start(") == 3, stage

@@ -182,7 +182,8 @@ def moe_combine(rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -
     """y[t] = sum_j weights[t, j] * rows[slot[t*k + j]] (a dropped assignment adds nothing)."""
     n, k = weights.shape
     picked = _gather_assignments(rows, slot)
-    return (picked.view(n, k, -1) * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+    # Explicit widths, not -1: a rank may receive no rows at all (n == 0).
+    return (picked.view(n, k, rows.shape[1]) * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 def _gather_assignments(rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -212,11 +213,11 @@ def moe_combine_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of moe_combine with respect to its rows and its routing weights."""
     n, k = weights.shape
-    grad_assign = (grad_out.unsqueeze(1) * weights.to(rows.dtype).unsqueeze(-1)).reshape(n * k, -1)
+    grad_assign = (grad_out.unsqueeze(1) * weights.to(rows.dtype).unsqueeze(-1)).reshape(n * k, rows.shape[1])
     kept = slot >= 0
     grad_rows = rows.new_zeros(rows.shape)
     grad_rows[slot[kept]] = grad_assign[kept]
-    picked = _gather_assignments(rows, slot).view(n, k, -1)
+    picked = _gather_assignments(rows, slot).view(n, k, rows.shape[1])
     grad_weights = (picked * grad_out.unsqueeze(1)).sum(-1).to(weights.dtype)
     return grad_rows, grad_weights
 
