@@ -12,6 +12,16 @@ from commfx.cli.main import main
 from commfx.plan import PlanError
 
 
+def launch_error(worker: str, **kwargs) -> str:
+    """The LaunchError message of running tests/dist_workers.py:`worker` on 2 ranks."""
+    from commfx.runtime.launcher import LaunchError, launch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with pytest.raises(LaunchError) as info:
+        launch(f"dist_workers:{worker}", 2, kwargs, timeout_s=120, grace_s=3)
+    return str(info.value)
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fail the test if anything tries to spawn ranks."""
@@ -74,12 +84,7 @@ def test_error_text_is_printed_literally(capsys, monkeypatch):
 
 @pytest.mark.distributed
 def test_the_rank_whose_code_raised_is_named_not_the_one_stopped_after_it():
-    from commfx.runtime.launcher import LaunchError, launch
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    with pytest.raises(LaunchError) as info:
-        launch("dist_workers:raises_on_one_rank", 2, {"raising_rank": 1}, timeout_s=60, grace_s=5)
-    message = str(info.value)
+    message = launch_error("raises_on_one_rank", raising_rank=1)
     assert message.startswith("rank 1 failed (its code raised)"), message
     assert "the model factory failed on rank 1" in message
     assert "--- rank 0 ---" not in message  # printed once: the root cause's error only
@@ -162,12 +167,7 @@ def test_a_rank_hung_before_distribute_is_named_with_its_stack():
     """Rank 1 hangs in user code; rank 0 waits at distribute's rendezvous, which is bounded by
     Plan.collective_timeout_s (4 s here) and names rank 1; the launcher stops rank 1 and shows
     where it was."""
-    from commfx.runtime.launcher import LaunchError, launch
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    with pytest.raises(LaunchError) as info:
-        launch("dist_workers:hangs_before_distribute", 2, {"hanging_rank": 1}, timeout_s=120, grace_s=3)
-    message = str(info.value)
+    message = launch_error("hangs_before_distribute", hanging_rank=1)
     assert message.startswith("rank 0 failed (its code raised)"), message
     assert "rank(s) 1 did not reach commfx's rendezvous" in message
     assert "rank 1, stopped by the launcher, was at" in message and "in hangs_before_distribute" in message
@@ -175,11 +175,6 @@ def test_a_rank_hung_before_distribute_is_named_with_its_stack():
 
 @pytest.mark.distributed
 def test_a_rank_without_rows_gets_a_clear_error_not_a_graph_break_hint():
-    from commfx.runtime.launcher import LaunchError, launch
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    with pytest.raises(LaunchError) as info:
-        launch("dist_workers:empty_rank", 2, {"spec": "gpt-moe-tiny"}, timeout_s=120, grace_s=3)
-    message = str(info.value)
+    message = launch_error("empty_rank", spec="gpt-moe-tiny")
     assert "rank 1 failed" in message and "this rank's batch has no rows" in message
     assert "graph break" not in message

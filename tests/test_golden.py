@@ -35,26 +35,25 @@ def rendered(model_name: str, passes: str = "lift,expert_parallel") -> dict[str,
     return texts
 
 
-@pytest.mark.parametrize("model_name", sorted(BUILTIN_MODELS))
-def test_golden_graphs(model_name):
-    texts = rendered(model_name)
-    for stage in STAGES:
-        path = GOLDEN / f"{model_name}.ep4.{stage}.txt"
+def check_golden(texts: dict[str, str], prefix: str, stages) -> None:
+    """Each stage's text equals tests/golden/<prefix>.<stage>.txt (written under COMMFX_UPDATE_GOLDEN)."""
+    for stage in stages:
+        path = GOLDEN / f"{prefix}.{stage}.txt"
         if os.environ.get("COMMFX_UPDATE_GOLDEN"):
             path.write_text(texts[stage])
         assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
         assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+
+
+@pytest.mark.parametrize("model_name", sorted(BUILTIN_MODELS))
+def test_golden_graphs(model_name):
+    check_golden(rendered(model_name), f"{model_name}.ep4", STAGES)
 
 
 def test_golden_partitioned_graphs():
     """Lina's partitioned region (k=2): chunked, prioritised all-to-alls in forward and backward."""
     texts = rendered("gpt-moe-tiny", LINA)
-    for stage in ("distributed", "forward", "backward"):
-        path = GOLDEN / f"gpt-moe-tiny.ep4.lina-k2.{stage}.txt"
-        if os.environ.get("COMMFX_UPDATE_GOLDEN"):
-            path.write_text(texts[stage])
-        assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
-        assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+    check_golden(texts, "gpt-moe-tiny.ep4.lina-k2", ("distributed", "forward", "backward"))
     for stage in ("forward", "backward"):
         starts = [line for line in texts[stage].splitlines() if "commfx.all_to_all_start(" in line]
         assert len(starts) == 4, starts  # dispatch and combine, 2 chunks each, one MoE layer
@@ -78,12 +77,7 @@ def test_golden_packed_graphs():
     """pack_experts: once-per-rank dispatch (token rows + routing), local fan-out and weighted
     sum at the expert rank, one row back; three all-to-alls per direction in forward and backward."""
     texts = rendered("gpt-moe-tiny", "lift,expert_parallel,pack_experts")
-    for stage in ("distributed", "forward", "backward"):
-        path = GOLDEN / f"gpt-moe-tiny.ep4.packed.{stage}.txt"
-        if os.environ.get("COMMFX_UPDATE_GOLDEN"):
-            path.write_text(texts[stage])
-        assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
-        assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+    check_golden(texts, "gpt-moe-tiny.ep4.packed", ("distributed", "forward", "backward"))
     distributed = texts["distributed"]
     assert "commfx.rank_dispatch(" in distributed and "commfx.scatter_add_tokens(" in distributed
     assert "commfx.group_by_expert(" not in distributed and "pack_experts:" in distributed
