@@ -54,8 +54,10 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
             ) from None
     choose_experts_implementation(model)
     torch._dynamo.reset()
-    args = tuple(t.clone() for t in args)
-    kwargs = {k: t.clone() for k, t in kwargs.items()}
+    # Fresh row-major copies: a view's strides (ids[:1, :4] keeps the stride of its base)
+    # would become symbols of their own that no input dimension explains.
+    args = tuple(t.clone(memory_format=torch.contiguous_format) for t in args)
+    kwargs = {k: t.clone(memory_format=torch.contiguous_format) for k, t in kwargs.items()}
     for t in (*args, *kwargs.values()):
         if t.dim() > 0 and t.shape[0] >= 2:
             torch._dynamo.mark_dynamic(t, 0)
@@ -193,9 +195,9 @@ def to_fx_convention(gm: fx.GraphModule, example: list, names: dict[int, str], n
     if len(user_nodes) != num_inputs:
         raise CaptureError(f"expected {num_inputs} tensor inputs in the graph, found {len(user_nodes)}")
     for node in sym_nodes:
-        source = _find_dim(node, user_nodes)
+        query, *source = _find_dim(node, user_nodes)
         with graph.inserting_after(user_nodes[-1]):
-            size = graph.call_function(torch.ops.aten.sym_size.int, source)
+            size = graph.call_function(query, tuple(source))
         size.meta["example_value"] = node.meta.get("example_value")
         node.replace_all_uses_with(size)
         graph.erase_node(node)
@@ -216,15 +218,23 @@ def _is_user_input(node: fx.Node) -> bool:
     return "self" not in name.split(".")[0] and not re.search(r"_parameters|_buffers", name)
 
 
-def _find_dim(sym_node: fx.Node, user_nodes: list[fx.Node]) -> tuple[fx.Node, int]:
+def _find_dim(sym_node: fx.Node, user_nodes: list[fx.Node]) -> tuple:
+    """(aten.sym_size.int or aten.sym_stride.int, input node, dim) that gives a SymInt input:
+    a size of a user input, or else a stride (a user's view of a larger tensor)."""
     symbol = sym_node.meta.get("example_value")
     expr = getattr(getattr(symbol, "node", None), "expr", None)
-    for node in user_nodes:
-        value = node.meta.get("example_value")
-        for dim, size in enumerate(getattr(value, "shape", ())):
-            if isinstance(size, torch.SymInt) and size.node.expr == expr:
-                return node, dim
-    raise CaptureError(f"cannot tell which input dimension the size {sym_node.name} comes from")
+    for query, values in ((torch.ops.aten.sym_size.int, "shape"), (torch.ops.aten.sym_stride.int, "stride")):
+        for node in user_nodes:
+            value = node.meta.get("example_value")
+            if not isinstance(value, torch.Tensor):
+                continue
+            sizes = value.shape if values == "shape" else value.stride()
+            for dim, size in enumerate(sizes):
+                if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                    return query, node, dim
+    raise CaptureError(
+        f"cannot tell which input dimension the size {sym_node.name} comes from; pass contiguous tensors as inputs"
+    )
 
 
 def _copy_attr(gm: fx.GraphModule, qualified_name: str, value: torch.Tensor) -> None:
