@@ -229,8 +229,9 @@ def empty_rank(rank: int, world_size: int, spec: str) -> dict:
     dm = distribute(model, Plan.from_cli("lift,expert_parallel", world_size=world_size), (local,))
     out = dm(local)
     logits = out if isinstance(out, torch.Tensor) else out.logits
-    (logits * 1.0).sum().backward()
-    return {"rows": local.shape[0], "logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None}}
+    logits.sum().backward()
+    grads = {n.removeprefix("module."): p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None}
+    return {"rows": local.shape[0], "logits": logits.detach(), "grads": grads, "placement": dm.placement}
 
 
 def dispatch_rows(rank: int, world_size: int, passes: str) -> dict:

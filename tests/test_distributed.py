@@ -84,3 +84,30 @@ def test_sequence_length_and_batch_may_change_between_calls(spec):
                 out = model(ids)
             ref = out if isinstance(out, torch.Tensor) else out.logits
             assert got.shape == ref.shape and (got - ref).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("spec", ["gpt-moe-tiny", "hf:qwen3_moe"])
+def test_a_rank_without_rows_takes_part_and_contributes_nothing(spec):
+    """A global batch of 1 row on 2 ranks: rank 1 has no rows. It still runs every collective
+    (on one stand-in row) and returns empty logits; the gradients (averaged over ranks) equal
+    the single-process model's on the one row, halved."""
+    from commfx.models.hf import choose_experts_implementation, training_forward
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    results = launch("dist_workers:empty_rank", 2, {"spec": spec}, timeout_s=300)
+    assert [r["rows"] for r in results] == [1, 0]
+    assert results[1]["logits"].shape[0] == 0
+    model, (ids,) = load_model(spec, dtype=torch.float64, batch=1)
+    choose_experts_implementation(model)
+    with training_forward(model):
+        out = model(ids)
+    ref = out if isinstance(out, torch.Tensor) else out.logits
+    assert (results[0]["logits"] - ref).abs().max() <= 1e-10
+    (ref.sum() / 2).backward()
+    for result in results:
+        for name, param in model.named_parameters():
+            expected = param.grad
+            if name in result["placement"]:
+                start, stop = result["placement"][name]
+                expected = expected[start:stop]
+            assert (result["grads"][name] - expected).abs().max() <= 1e-10, (name, result["rows"])

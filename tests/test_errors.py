@@ -56,8 +56,6 @@ def test_numeric_arguments_are_validated(capsys, argv, message):
         # An unsupported model: known from the plan and the model alone.
         (["run", "hf:gpt_oss", "--world-size", "2", "--steps", "1"], "GptOssForCausalLM has no MoE block commfx recognises"),
         (["verify", "hf:gpt_oss", "--world-size", "2"], "GptOssExperts"),
-        # A batch that leaves a rank without rows.
-        (["run", "gpt-moe-tiny", "--world-size", "2", "--batch", "1", "--steps", "1"], "1 rows for 2 ranks"),
         # A plan error.
         (["run", "gpt-moe-tiny", "--world-size", "2", "--passes", "lift,warp"], "unknown pass 'warp'"),
     ],
@@ -171,10 +169,3 @@ def test_a_rank_hung_before_distribute_is_named_with_its_stack():
     assert message.startswith("rank 0 failed (its code raised)"), message
     assert "rank(s) 1 did not reach commfx's rendezvous" in message
     assert "rank 1, stopped by the launcher, was at" in message and "in hangs_before_distribute" in message
-
-
-@pytest.mark.distributed
-def test_a_rank_without_rows_gets_a_clear_error_not_a_graph_break_hint():
-    message = launch_error("empty_rank", spec="gpt-moe-tiny")
-    assert "rank 1 failed" in message and "this rank's batch has no rows" in message
-    assert "graph break" not in message

@@ -45,11 +45,24 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwarg
     scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
     # Cost models must choose the same on every rank, however uneven the batches.
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if _has_no_rows((*args, *kwargs.values())):
+        # This rank's share of the batch is empty: capture on one stand-in row (the graph is
+        # the same on every rank); at run time the module does the same (see DistributedModule).
+        args, kwargs = tuple(stand_in_row(t) for t in args), {k: stand_in_row(t) for k, t in kwargs.items()}
     tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
     _check_same_graph(scheduler, program)
     placement = shard_parameters(program, groups["ep"].rank)
     return DistributedModule(program, plan, scheduler, placement, compile_training)
+
+
+def _has_no_rows(tensors) -> bool:
+    return any(t.dim() and t.shape[0] == 0 for t in tensors)
+
+
+def stand_in_row(t: torch.Tensor) -> torch.Tensor:
+    """One row of zeros shaped like `t`'s rows (token id 0, zero features)."""
+    return t.new_zeros((1, *t.shape[1:]))
 
 
 def _check_same_graph(scheduler: CommScheduler, program: Program) -> None:

@@ -30,6 +30,8 @@ def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Next-token cross entropy for a language model (int inputs, [B, S, V] logits); else mean square."""
     logits = pytree.tree_flatten(outputs)[0][0]
     ids = inputs[0]
+    if ids.dim() and ids.shape[0] == 0:  # a rank without rows this step: no loss, but it still runs backward
+        return logits.float().sum() * 0
     if not ids.is_floating_point() and logits.dim() == 3 and ids.dim() == 2:
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     return logits.float().pow(2).mean()
@@ -64,9 +66,10 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
             dm.timeline.step(step + 1, start, start + elapsed)
         stats = dm.scheduler.stats
         gathered = dm.scheduler.all_gather_object(
-            (loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed)
+            (loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed, local[0].shape[0])
         )
-        mean_loss = sum(g[0] for g in gathered) / world_size
+        with_rows = [g[0] for g in gathered if g[4] > 0]  # ranks without rows this step report no loss
+        mean_loss = sum(with_rows) / len(with_rows)
         record = {
             "step": step + 1,
             "loss": mean_loss,

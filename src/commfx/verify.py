@@ -30,7 +30,7 @@ import torch
 from .models import load_model
 from .models.hf import choose_experts_implementation, training_forward
 from .passes import plan_options
-from .plan import Plan, PlanError
+from .plan import Plan
 
 DEFAULT_TOLERANCE = 1e-10
 # Summing n float32 terms in another order changes the result by at most ~n * eps relative
@@ -116,15 +116,7 @@ def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
     any rank is spawned, with the message and no traceback."""
     from .compiler.pipeline import compile_program
 
-    world = plan.topology.world_size
-    if isinstance(global_inputs, (tuple, list)) and global_inputs and isinstance(global_inputs[0], torch.Tensor):
-        rows = global_inputs[0].shape[0] if global_inputs[0].dim() else 0
-        if rows < world:
-            raise PlanError(
-                f"the global batch has {rows} rows for {world} ranks, so some rank would get none; "
-                f"use a batch of at least {world} (--batch) or fewer ranks"
-            )
-    compile_program(model, plan, local_batch(global_inputs, world, 0))
+    compile_program(model, plan, local_batch(global_inputs, plan.topology.world_size, 0))
 
 
 def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:

@@ -69,6 +69,26 @@ class DistributedModule(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         inputs = graph_inputs(self.program, args, kwargs)
+        if inputs and all(t.dim() and t.shape[0] == 0 for t in inputs):
+            return self._forward_without_rows(inputs)
+        return self._run(inputs)
+
+    def _forward_without_rows(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """This rank has no rows this step (a global batch smaller than the world). It still
+        takes part in every collective: it runs the graph on one row of zeros and returns
+        empty outputs; a scalar output (a loss) is returned times zero. Either way its
+        gradients are zero, as a rank with no data contributes nothing to the sum."""
+        stand_in = tuple(t.new_zeros((1, *t.shape[1:])) for t in inputs)
+        out = self._run(stand_in)
+
+        def empty(value):
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 1:
+                return value[:0]
+            return value * 0 if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+        return pytree.tree_map(empty, out)
+
+    def _run(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
