@@ -27,7 +27,7 @@ FAMILIES = {
     "deepseek_v3": "lift,expert_parallel,partition_a2a:k=2",
     "glm4_moe": "lift,expert_parallel",
     "ernie4_5_moe": "lift,expert_parallel,partition_a2a:k=2",
-    "granitemoe": "lift,expert_parallel",
+    "granitemoe": "lift,expert_parallel,partition_a2a:k=2",
 }
 # Routers these models compute in float32 on purpose (DeepSeek's rule, shared by GLM4 and Ernie).
 FLOAT32_ROUTERS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe"}
@@ -151,3 +151,26 @@ def test_backend_rejects_gpt_oss_by_name():
     compiled = torch.compile(model, backend=backend(Plan.from_cli("lift,expert_parallel", world_size=1)))
     with pytest.raises(Exception, match=r"unrecognised MoE-like modules: model\.layers\.0\.mlp\.experts \(GptOssExperts\)"):
         compiled(ids)
+
+
+def test_keyword_inputs_with_an_attention_mask():
+    """input_ids=, attention_mask= (with padding) and labels=, passed by keyword, reach the
+    graph by name; the graph equals the model on them."""
+    from torch.utils import _pytree as pytree
+
+    from commfx.compiler.pipeline import compile_program
+    from commfx.models import load_model
+    from commfx.runtime.comm import install_default, local_scheduler
+    from commfx.runtime.module import graph_inputs
+
+    model, (ids,) = load_model("hf:mixtral", dtype=torch.float64)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding on the first sequence
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    program = compile_program(model, Plan.from_cli("lift", world_size=1), batch)
+    assert program.input_names == ["input_ids", "attention_mask", "labels"]
+    install_default(local_scheduler())
+    flat = program.gm(*graph_inputs(program, (), {"labels": ids, "attention_mask": mask, "input_ids": ids}))
+    out = pytree.tree_unflatten(list(flat), program.out_spec)
+    ref = model(**batch, use_cache=False)
+    assert (out.logits - ref.logits).abs().max() <= 1e-10 and (out.loss - ref.loss).abs() <= 1e-10
