@@ -17,7 +17,7 @@ from commfx.plan import Plan, PlanError
 from commfx.verify import VerifyCase, verify
 
 MODEL_FILES = Path(__file__).parent / "model_files"
-# Eight families through distribute; partition_a2a (Lina) on for half of them.
+# Nine families through distribute; partition_a2a (Lina) on for five of them.
 FAMILIES = {
     "mixtral": "lift,expert_parallel",
     "qwen2_moe": "lift,expert_parallel,partition_a2a:k=2",
