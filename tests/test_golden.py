@@ -81,5 +81,17 @@ def test_golden_packed_graphs():
     distributed = texts["distributed"]
     assert "commfx.rank_dispatch(" in distributed and "commfx.scatter_add_tokens(" in distributed
     assert "commfx.group_by_expert(" not in distributed and "pack_experts:" in distributed
+    assert "commfx.expert_slots(" in distributed  # the runtime's placement, not a constant
     for stage in ("forward", "backward"):
         assert texts[stage].count("commfx.all_to_all_start(") == 3, stage
+
+
+def test_golden_packed_and_chunked_graphs():
+    """pack_experts then partition_a2a:k=2: the packed exchange in two chunks, each with its
+    token-row, routing and combine all-to-alls (priority a2a), forward and backward."""
+    texts = rendered("gpt-moe-tiny", "lift,expert_parallel,pack_experts,partition_a2a:k=2")
+    check_golden(texts, "gpt-moe-tiny.ep4.packed-k2", ("distributed", "forward", "backward"))
+    assert "commfx.split_chunks(" in texts["distributed"] and "commfx.merge_chunks(" in texts["distributed"]
+    assert "packed dispatch 2/2" in texts["distributed"]
+    for stage in ("forward", "backward"):
+        assert texts[stage].count("commfx.all_to_all_start(") == 6, stage

@@ -31,6 +31,7 @@ import commfx.kernels as K
 # The submodules are shadowed by same-named functions on the package.
 gm_mod = sys.modules["commfx.kernels.grouped_mm"]
 perm_mod = sys.modules["commfx.kernels.permute"]
+packed_mod = sys.modules["commfx.kernels.packed_experts"]
 
 SRC_DIR = Path(gm_mod.__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT_S = 240
@@ -183,6 +184,24 @@ def test_grouped_mm_reference_property(counts, k, n, trans_w, seed):
         torch.testing.assert_close(K.grouped_mm_reference(x[perm], w, c, trans_w=trans_w), out[perm])
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+def test_packed_experts_reference_is_the_per_assignment_sum(activation):
+    """float64: every token row gets the sum of its assignments' weighted expert outputs,
+    computed here one assignment at a time."""
+    x, row, weight, c, gate_up, down = packed_inputs([5, 0, 3, 4], rows=7, hidden=6, inner=3, dtype=torch.float64)
+    out = K.packed_experts(x, row, weight.double(), c, gate_up, down, activation)  # CPU: the reference
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}[activation]
+    expected = torch.zeros_like(x)
+    experts = torch.repeat_interleave(torch.arange(4), c)
+    for a in range(row.numel()):
+        e, v = int(experts[a]), int(row[a])
+        gate, up = (gate_up[e] @ x[v]).chunk(2)
+        expected[v] += weight[a].double() * (down[e] @ (act(gate) * up))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="unknown activation"):
+        K.packed_experts(x, row, weight, c, gate_up, down, "tanh")
+
+
 @HYP
 @given(counts=st.lists(st.integers(0, 6), min_size=1, max_size=4), k=st.integers(1, 5),
        n=st.integers(1, 5), seed=st.integers(0, 2**16))
@@ -326,7 +345,37 @@ def _case_scatter(dtype):
     return run
 
 
+def packed_inputs(counts, rows, hidden, inner, dtype, seed=0):
+    """Assignments grouped by expert (counts[e] each), each pointing at one of `rows` token rows
+    (no row twice within one expert, some rows with none), with routing weights."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.cat([torch.randperm(rows, generator=g)[:c] for c in counts]) if counts else torch.zeros(0, dtype=torch.int64)
+    weight = torch.rand(row.numel(), generator=g, dtype=torch.float64).to(torch.float32)
+    x = torch.randn(rows, hidden, generator=g, dtype=torch.float64).to(dtype)
+    gate_up = (torch.randn(len(counts), 2 * inner, hidden, generator=g, dtype=torch.float64) / hidden**0.5).to(dtype)
+    down = (torch.randn(len(counts), hidden, inner, generator=g, dtype=torch.float64) / inner**0.5).to(dtype)
+    return x, row, weight, torch.tensor(counts, dtype=torch.int64), gate_up, down
+
+
+def _case_packed_experts(dtype, activation, counts, rows, hidden, inner):
+    def run():
+        x, row, weight, c, gate_up, down = packed_inputs(counts, rows, hidden, inner, dtype, seed=len(counts))
+        out = packed_mod._packed_experts_triton(x, row, weight, c, gate_up, down, activation, **TINY)
+        assert out.dtype == dtype and out.shape == x.shape
+        ref = K.packed_experts_reference(x.double(), row, weight.double(), c, gate_up.double(), down.double(), activation)
+        torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+        untouched = sorted(set(range(rows)) - set(row.tolist()))
+        assert torch.count_nonzero(out[untouched]) == 0  # rows with no assignment here stay zero
+    return run
+
+
 INTERP_CASES = {
+    # several row and column tiles, an expert with no assignments, rows shared by experts
+    **{
+        f"packed_experts-{_dtype_id(dt)}-{act}": _case_packed_experts(dt, act, [19, 0, 7, 12], rows=24, hidden=40, inner=20)
+        for dt in (torch.float32, torch.float16) for act in ("silu", "gelu")
+    },
+    "packed_experts-float32-relu-empty": _case_packed_experts(torch.float32, "relu", [0, 0], rows=3, hidden=8, inner=4),
     **{
         f"grouped_mm-{_dtype_id(dt)}-trans_w={tw}": _case_grouped_mm(dt, tw, [0, 5, 17, 0, 3, 9], k=40, n=37)
         for dt in (torch.float32, torch.float16) for tw in (True, False)
@@ -410,6 +459,12 @@ def _compile_all() -> dict:
                     order_ptr="*i64", seg_offsets_ptr="*i64")
         check(f"gather-{dt}", perm_mod._gather_rows_kernel, ptrs, dict(BLOCK_R=32, BLOCK_H=128))
         check(f"scatter_add-{dt}", perm_mod._scatter_add_rows_kernel, ptrs, dict(BLOCK_H=256, ACC_DTYPE=acc))
+    for dt, bk in (("fp16", 64), ("bf16", 64), ("fp32", 32)):
+        ptrs = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", inner_ptr=f"*{dt}", out_ptr="*fp32", row_ptr="*i64",
+                    weight_ptr="*fp32", offsets_ptr="*i64", tile_offsets_ptr="*i64")
+        blocks = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, BLOCK_E=64, INPUT_PRECISION="ieee" if dt == "fp32" else "tf32")
+        check(f"packed_gate_up-{dt}", packed_mod._gather_gate_up_kernel, ptrs, dict(blocks, ACTIVATION=0))
+        check(f"packed_down_scatter-{dt}", packed_mod._down_scatter_kernel, ptrs, blocks)
     return results
 
 
@@ -427,7 +482,7 @@ def test_triton_kernels_compile_for_sm90(tmp_path):
         drop_env=("TRITON_INTERPRET",),
     )
     failed = {k: v for k, v in results.items() if v is not None}
-    assert len(results) == 9 and not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+    assert len(results) == 15 and not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
 # --------------------------------------------------------------------------
@@ -437,6 +492,17 @@ def test_triton_kernels_compile_for_sm90(tmp_path):
 GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 GPU_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
            torch.float32: dict(rtol=1e-4, atol=1e-4)}
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=_dtype_id)
+def test_packed_experts_cuda(dtype):
+    x, row, weight, c, gate_up, down = packed_inputs([300, 0, 17, 190, 64], rows=400, hidden=256, inner=192, dtype=dtype)
+    out = K.packed_experts(*(t.cuda() for t in (x, row, weight, c, gate_up, down)), "silu")
+    assert out.is_cuda and out.dtype == dtype
+    ref = K.packed_experts_reference(x.double(), row, weight.double(), c, gate_up.double(), down.double(), "silu")
+    torch.testing.assert_close(out.double().cpu(), ref, **GPU_TOL[dtype])
 
 
 @gpu

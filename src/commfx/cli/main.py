@@ -72,6 +72,8 @@ def cmd_dump(args) -> int:
     else:
         gm = program.gm
     text = render(gm, args.format)
+    if args.format == "code" and program.annotations.get("notes"):  # what passes chose, and why
+        text = "".join(f"# {note}\n" for note in program.annotations["notes"]) + text
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

@@ -7,33 +7,65 @@ it needs there; the receiver fans it out to those experts and sums their weighte
 so one row comes back. Dispatch and combine rows are the unique (token, destination rank)
 pairs: the minimum for a placement.
 
+    expert_slots       source: where each chosen expert lives now (the runtime's placement)
     rank_dispatch      source: token rows per destination rank, with weights and local ids
-    masked_dispatch    receiver: rows laid out by local expert (assignments with id -1 skipped)
-    moe_combine        receiver: weighted sum per received row (slot -1 adds nothing)
+    packed_expert_ffn  receiver: every local expert of every received row and their weighted
+                       sum, fused (kernels/packed_experts.py: the Triton kernel on CUDA)
+    masked_dispatch    receiver, unfused: rows laid out by local expert (id -1 skipped); then
+    moe_combine        expert_ffn and the weighted sum per received row (slot -1 adds nothing)
     scatter_add_tokens source: sum the rows that came back into their tokens
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from ..kernels import packed_experts
+from ..runtime.expert_placement import current_placements
+from .moe import expert_capacity, expert_ffn, expert_ffn_backward, moe_combine_backward, moe_scatter_rows
 
 # ---------------------------------------------------------------------------- source side
 
 
+@torch.library.custom_op("commfx::expert_slots", mutates_args=())
+def expert_slots(
+    indices: torch.Tensor, previous: Optional[torch.Tensor], op_id: str, num_experts: int, ranks: int
+) -> torch.Tensor:
+    """The slot of each chosen expert under the runtime's current placement for `op_id`:
+    slot = rank * (E / ranks) + local id. Placement is runtime state (it changes when the
+    runtime re-places experts), so the graph stays the same on every rank and every step.
+    Also records the routing statistics the placement solver reads (load, co-selection and,
+    given the previous MoE layer's choices for the same tokens, transitions)."""
+    placement = current_placements().get(op_id, num_experts, ranks)
+    placement.record(indices, previous)
+    return placement.slot_of.to(indices.device)[indices]
+
+
+@expert_slots.register_fake
+def _(indices, previous, op_id, num_experts, ranks):
+    return torch.empty_like(indices)
+
+
 @torch.library.custom_op("commfx::rank_dispatch", mutates_args=())
 def rank_dispatch(
-    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, ranks: int, local_experts: int
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, ranks: int, local_experts: int, capacity_factor: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token rows for each destination rank, each token at most once per rank.
 
-    Experts [r*L, (r+1)*L) live on rank r (L = local_experts). Returns
+    `indices` are slots: slots [r*L, (r+1)*L) live on rank r (L = local_experts). Returns
     (rows [U, H], meta [U, 2k] (routing weights, then local expert ids as the weights'
-    dtype, -1 where the expert is elsewhere; weights there are 0), row_token [U], send [P])
-    with rows ordered by destination rank, token order within one, and send[r] rows for r.
+    dtype, -1 where the expert is elsewhere or the assignment was dropped; weights there
+    are 0), row_token [U], send [P]) with rows ordered by destination rank, token order
+    within one, and send[r] rows for r. capacity_factor > 0 drops exactly what
+    `moe_dispatch` drops (per expert, past its capacity, in token order); a token whose
+    assignments to a rank were all dropped is not sent there.
     """
-    row_token, row_rank = _rank_layout(indices, ranks, local_experts)
+    kept = capacity_kept(indices, ranks * local_experts, capacity_factor)
+    row_token, row_rank = _rank_layout(indices, kept, ranks, local_experts)
     owner = indices[row_token] // local_experts  # [U, k]
-    here = owner == row_rank.unsqueeze(1)
+    here = (owner == row_rank.unsqueeze(1)) & kept[row_token]
     local_ids = torch.where(here, indices[row_token] - row_rank.unsqueeze(1) * local_experts, -1)
     row_weights = weights[row_token] * here.to(weights.dtype)
     meta = torch.cat([row_weights, local_ids.to(weights.dtype)], dim=1)
@@ -41,17 +73,34 @@ def rank_dispatch(
     return x[row_token], meta, row_token, send
 
 
-def _rank_layout(indices: torch.Tensor, ranks: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_token [U], row_rank [U]): the unique (token, rank) pairs, rank-major, token order."""
+def capacity_kept(indices: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """[N, k] bool: the assignments `moe_dispatch` keeps (all of them when dropless): per
+    expert, the first `expert_capacity` assignments in token order."""
+    if capacity_factor <= 0:
+        return torch.ones_like(indices, dtype=torch.bool)
+    n, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.empty_like(flat)
+    position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return (position < expert_capacity(n, k, num_experts, capacity_factor)).view(n, k)
+
+
+def _rank_layout(indices: torch.Tensor, kept: torch.Tensor, ranks: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_token [U], row_rank [U]): the unique (token, rank) pairs of kept assignments,
+    rank-major, token order."""
     n = indices.shape[0]
     in_rank = torch.zeros((ranks, n), dtype=torch.bool, device=indices.device)
-    in_rank[indices.t() // local_experts, torch.arange(n, device=indices.device)] = True
+    tokens = torch.arange(n, device=indices.device).unsqueeze(1).expand_as(indices)
+    in_rank[(indices // local_experts)[kept], tokens[kept]] = True
     row_rank, row_token = in_rank.nonzero(as_tuple=True)  # row-major: by rank, then token
     return row_token, row_rank
 
 
 @rank_dispatch.register_fake
-def _(x, indices, weights, ranks, local_experts):
+def _(x, indices, weights, ranks, local_experts, capacity_factor=0.0):
     rows = torch.library.get_ctx().new_dynamic_size()
     k = indices.shape[1]
     return (
@@ -63,7 +112,7 @@ def _(x, indices, weights, ranks, local_experts):
 
 
 def _rank_dispatch_setup(ctx, inputs, output):
-    x, indices, weights, _, _ = inputs
+    x, indices = inputs[0], inputs[1]
     _, meta, row_token, _ = output
     ctx.save_for_backward(row_token, meta)
     ctx.num_tokens, ctx.k = x.shape[0], indices.shape[1]
@@ -72,7 +121,7 @@ def _rank_dispatch_setup(ctx, inputs, output):
 def _rank_dispatch_backward(ctx, grad_rows, grad_meta, grad_row_token, grad_send):
     row_token, meta = ctx.saved_tensors
     grad_x, grad_weights = rank_dispatch_backward(grad_rows, grad_meta, row_token, meta, ctx.num_tokens)
-    return grad_x, None, grad_weights, None, None
+    return grad_x, None, grad_weights, None, None, None
 
 
 @torch.library.custom_op("commfx::rank_dispatch_backward", mutates_args=())
@@ -184,3 +233,63 @@ def _masked_backward(ctx, grad_rows, grad_counts, grad_slot):
 
 
 masked_dispatch.register_autograd(_masked_backward, setup_context=_masked_setup)
+
+
+@torch.library.custom_op("commfx::packed_expert_ffn", mutates_args=())
+def packed_expert_ffn(
+    x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """out[v] = sum_j weights[v, j] * expert_{local_ids[v, j]}(x[v]) over j with local_ids >= 0:
+    masked_dispatch -> expert_ffn -> moe_combine as one computation, with no laid-out copy
+    of the rows and no per-assignment output in memory (the fused kernel on CUDA)."""
+    row, weight, counts = _assignments(local_ids, weights, gate_up.shape[0])
+    return packed_experts(x, row, weight, counts, gate_up, down, activation)
+
+
+def _assignments(local_ids: torch.Tensor, weights: torch.Tensor, local_experts: int):
+    """(row [A], weight [A], counts [L]): the valid assignments grouped by local expert (row
+    order within one), the layout masked_dispatch makes."""
+    k = local_ids.shape[1]
+    flat = local_ids.reshape(-1)
+    valid = flat >= 0
+    order = torch.argsort(torch.where(valid, flat, local_experts), stable=True)[: int(valid.sum())]
+    return order // k, weights.reshape(-1)[order], torch.bincount(flat[valid], minlength=local_experts)
+
+
+@packed_expert_ffn.register_fake
+def _(x, local_ids, weights, gate_up, down, activation):
+    return torch.empty_like(x)
+
+
+def _packed_ffn_setup(ctx, inputs, output):
+    x, local_ids, weights, gate_up, down, activation = inputs
+    ctx.save_for_backward(x, local_ids, weights, gate_up, down)
+    ctx.activation = activation
+
+
+def _packed_ffn_backward(ctx, grad_out):
+    x, local_ids, weights, gate_up, down = ctx.saved_tensors
+    grad_x, grad_weights, grad_gate_up, grad_down = packed_expert_ffn_backward(grad_out, x, local_ids, weights, gate_up, down, ctx.activation)
+    return grad_x, None, grad_weights, grad_gate_up, grad_down, None
+
+
+@torch.library.custom_op("commfx::packed_expert_ffn_backward", mutates_args=())
+def packed_expert_ffn_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+    gate_up: torch.Tensor, down: torch.Tensor, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of packed_expert_ffn for x, the routing weights and both expert weights: the
+    unfused ops' backwards, on the rows laid out by expert (expert outputs recomputed)."""
+    laid, counts, slot = masked_dispatch(x, local_ids, gate_up.shape[0])
+    expert_out = expert_ffn(laid, counts, gate_up, down, activation)
+    grad_rows, grad_weights = moe_combine_backward(grad_out, expert_out, slot, weights)
+    grad_laid, grad_gate_up, grad_down = expert_ffn_backward(grad_rows, laid, counts, gate_up, down, activation)
+    return moe_scatter_rows(grad_laid, slot, x.shape[0], local_ids.shape[1]), grad_weights, grad_gate_up, grad_down
+
+
+@packed_expert_ffn_backward.register_fake
+def _(grad_out, x, local_ids, weights, gate_up, down, activation):
+    return torch.empty_like(x), torch.empty_like(weights), torch.empty_like(gate_up), torch.empty_like(down)
+
+
+packed_expert_ffn.register_autograd(_packed_ffn_backward, setup_context=_packed_ffn_setup)

@@ -19,6 +19,7 @@ expressions are sympy so tests and `commfx passes` can show them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy
@@ -120,3 +121,46 @@ def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: i
     # time on the wire for chunk c: 2 (P-1)/P c / bandwidth; ask ring_latency <= share/(1-share) of it
     chunk = ring_latency * bandwidth * world / (2 * (world - 1)) * (1 - latency_share) / latency_share
     return max(floor, -(-int(chunk) // 1024) * 1024)
+
+
+# ------------------------------------------------------------------------------ packing degree
+
+
+@dataclass(frozen=True)
+class PackingChoice:
+    degree: int  # experts per device the model recommends
+    compute_s: float  # a device's expert compute per chunk (forward)
+    a2a_s: dict[int, float]  # a chunk's all-to-all at each degree that fits
+    reason: str
+
+
+def packing_degree(region: MoERegion, topology: Topology, chunks: int = 1) -> PackingChoice:
+    """Lina's criterion for expert packing. A device's expert compute per chunk is the same at
+    every degree (its tokens' rows, uniform routing), but one expert's share of it shrinks
+    as experts spread out, and the all-to-all grows with the expert-parallel group: more
+    peers, more of them on other nodes. When one expert's compute per chunk is much shorter
+    than a chunk's all-to-all, the pipeline cannot hide the all-to-all. Packing d experts per
+    device (an expert-parallel group of E/d ranks, replicated over the rest) shrinks the
+    all-to-all; the degree is the smallest d (least replication) whose chunk all-to-all the
+    device's compute per chunk covers, among the degrees that fit (d divides E, E/d divides
+    the world), keeping at least two expert-parallel ranks; if none covers it, the one with
+    the shortest all-to-all."""
+    world, experts = topology.world_size, region.num_experts
+    fits = [d for d in range(1, experts + 1) if experts % d == 0 and world % (experts // d) == 0 and (experts // d >= 2 or world == 1)]
+    compute = region.flops() / chunks / topology.flops_per_s
+    a2a = {}
+    for d in fits:
+        packed = dataclasses.replace(topology, ep=experts // d)
+        a2a[d] = 0.0 if packed.expert_parallel_size == 1 else float((alpha + B / (k * beta)).subs(substitutions(region, packed, 0.0)).subs(k, chunks))
+    if not fits:
+        return PackingChoice(experts, compute, a2a, f"no degree fits {experts} experts on {world} ranks")
+    covered = [d for d in fits if a2a[d] <= compute]
+    degree = covered[0] if covered else min(fits, key=lambda d: (a2a[d], d))
+    one = compute / degree
+    reason = (
+        f"one expert's compute per chunk {one * 1e6:.3g} us vs a chunk's all-to-all {a2a[degree] * 1e6:.3g} us at {degree} "
+        f"expert(s) per device (expert-parallel group of {experts // degree}); "
+        + (f"the device's compute per chunk ({compute * 1e6:.3g} us) covers it" if covered else "the shortest all-to-all of the degrees that fit")
+        + "; all-to-all per degree: " + ", ".join(f"{d}: {a2a[d] * 1e6:.3g} us" for d in fits)
+    )
+    return PackingChoice(degree, compute, a2a, reason)

@@ -1,4 +1,4 @@
-"""pack_experts: send each token once per destination rank (Lina's expert packing, step one).
+"""pack_experts: send each token once per destination rank, experts placed by affinity (Lina).
 
 Plain expert parallelism sends one row per (token, expert): a top-2 token whose experts share
 a rank crosses the wire twice each way. After this pass a token goes to each rank at most once
@@ -11,12 +11,16 @@ expert-parallel block
 
 becomes
 
-    rank_dispatch -> all_to_all(rows), all_to_all(weights + ids) -> masked_dispatch -> experts
-                  -> moe_combine (at the expert rank) -> all_to_all -> scatter_add_tokens
+    expert_slots -> rank_dispatch -> all_to_all(rows), all_to_all(weights + ids) -> masked_dispatch
+                 -> packed_expert_ffn (the rank's experts and their weighted sum, one fused kernel)
+                 -> all_to_all -> scatter_add_tokens
 
-Lossless: the same sums as expert parallelism, in another grouping (tested in float64).
-Placement stays expert_parallel's (experts [r*E/ep, (r+1)*E/ep) on rank r); placement by
-affinity, the packing degree and the fused kernel are the rest of Lina's idea, still to come.
+`expert_slots` asks the runtime where each expert lives now: the runtime records routing
+statistics and, every `replace_every` optimizer steps, re-places experts so that experts
+often chosen together share a rank (runtime/expert_placement.py), moving weights and
+optimizer state. Capacity mode drops exactly what expert_parallel drops. partition_a2a,
+after this pass, chunks the packed exchange (split by destination rank runs). Lossless:
+the same sums as expert parallelism, in another grouping (tested in float64).
 (Lina, USENIX ATC 2023; DeepEP's dispatch layout.)
 """
 
@@ -31,6 +35,7 @@ import torch.fx as fx
 from ..compiler.program import Program, stamp
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
+from .cost_model import MoERegion, packing_degree
 from .lift import erase_replaced
 
 commfx = torch.ops.commfx
@@ -51,7 +56,11 @@ class PackExperts(Pass):
 
     @dataclasses.dataclass(frozen=True)
     class Options:
-        pass
+        replace_every: int = 0  # re-place experts by affinity every N optimizer steps (0: never)
+        balance: float = 0.1  # load bound of a placement: max rows per rank <= (1 + balance) * mean
+        # experts per device: an integer (must be E / ep: set --ep), or auto (the cost model's
+        # recommendation is reported by `commfx dump`; the topology's ep is kept)
+        degree: str = "auto"
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -60,17 +69,19 @@ class PackExperts(Pass):
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model: torch.nn.Module | None) -> None:
         names = plan.pass_names()
-        if "partition_a2a" in names:
+        if "partition_a2a" in names and names.index("partition_a2a") < names.index(PASS):
+            fixed = [n for n in names if n != PASS]
+            fixed.insert(fixed.index("partition_a2a"), PASS)
             raise PlanError(
-                "pack_experts does not compose with partition_a2a yet (chunking the packed dispatch is still to "
-                "come); use one of them: --passes lift,expert_parallel,pack_experts"
+                "pack_experts must come before partition_a2a (partition_a2a chunks the packed exchange); "
+                f"for example --passes {','.join(fixed)}"
             )
-        capacity = plan.spec_for("expert_parallel").options.get("capacity_factor", 0)
-        if float(capacity) > 0:
-            raise PlanError(
-                f"pack_experts needs dropless expert parallelism, but expert_parallel has capacity_factor={capacity}; "
-                "drop the option (capacity mode drops per expert, which a packed row cannot express yet)"
-            )
+        if options.replace_every < 0:
+            raise PlanError(f"pack_experts replace_every must be >= 0 (0 = never re-place), got {options.replace_every}")
+        if options.degree != "auto":
+            _check_degree(plan, options.degree, model)
+        if options.balance < 0:
+            raise PlanError(f"pack_experts balance must be >= 0 (max rows per rank <= (1 + balance) * mean), got {options.balance}")
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         blocks = program.annotations.get("moe_blocks") or []
@@ -78,53 +89,159 @@ class PackExperts(Pass):
             raise PassError("pack_experts found no expert-parallel MoE block in the graph")
         ep = plan.topology.expert_parallel_size
         nodes = {n.name: n for n in program.graph.nodes}
+        placements = program.annotations.setdefault("expert_placement", {})
+        notes = program.annotations.setdefault("notes", [])
+        previous = None
         for block in blocks:
-            _pack_block(program.graph, nodes, block, ep)
+            if options.degree != "auto" and int(options.degree) * ep != block["num_experts"]:
+                raise PlanError(_degree_misfit(block["num_experts"], int(options.degree), plan))
+            notes.append(_degree_note(program, block, plan, options.degree))
+            previous = _pack_block(program.graph, nodes, block, ep, previous)
+            placements[block["path"]] = {
+                "num_experts": block["num_experts"],
+                "ranks": ep,
+                "weights": [block["gate_up"], block["down"]],
+                "replace_every": options.replace_every,
+                "balance": options.balance,
+            }
         program.gm.recompile()
         return True
 
 
-def _pack_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int) -> None:
+def _check_degree(plan: Plan, degree: str, model) -> None:
+    try:
+        value = int(degree)
+    except ValueError:
+        raise PlanError(f"pack_experts degree must be an integer >= 1 (experts per device) or 'auto', got {degree!r}") from None
+    if value < 1:
+        raise PlanError(f"pack_experts degree must be >= 1 (experts per device), got {value}")
+    if model is None:
+        return
+    from .lift import find_experts_modules
+
+    for path, module, pattern in find_experts_modules(model):
+        if pattern is None:
+            continue
+        experts = next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
+        if value * plan.topology.expert_parallel_size != experts:
+            raise PlanError(f"{path}: " + _degree_misfit(experts, value, plan))
+
+
+def _degree_misfit(experts: int, degree: int, plan: Plan) -> str:
+    world, ep = plan.topology.world_size, plan.topology.expert_parallel_size
+    fits = [d for d in range(1, experts + 1) if experts % d == 0 and world % (experts // d) == 0]
+    if experts % degree or world % (experts // degree):
+        return (
+            f"pack_experts degree={degree} does not fit: {experts} experts in groups of {degree} need an expert-parallel "
+            f"group of {experts / degree:g} ranks, which must divide the world size {world}; degrees that fit: {fits}"
+        )
+    return (
+        f"pack_experts degree={degree} means an expert-parallel group of {experts // degree} ranks, but the plan has "
+        f"ep={ep} ({experts // ep} experts per device); pass --ep {experts // degree} (or degree={experts // ep})"
+    )
+
+
+def _degree_note(program: Program, block: dict, plan: Plan, degree: str) -> str:
+    """What `commfx dump` says about the packing degree: the plan's, and the cost model's."""
+    ep = plan.topology.expert_parallel_size
+    here = f"pack_experts {block['path']}: {block['num_experts'] // ep} experts per device (ep={ep}, degree={degree})"
+    tokens = program.annotations.get("tokens_per_rank")
+    if not tokens:
+        return here + "; the cost model needs the tokens per rank (compile through commfx.compile_program)"
+    down, gate_up = program.gm.get_parameter(block["down"]), program.gm.get_parameter(block["gate_up"])
+    region = MoERegion(
+        tokens=tokens, hidden=down.shape[1], expert_hidden=down.shape[2], top_k=block["top_k"],
+        num_experts=block["num_experts"], dtype_bytes=down.element_size(), matrices=gate_up.shape[1] // down.shape[2] + 1,
+    )
+    choice = packing_degree(region, plan.topology, block.get("chunks", 1))
+    verdict = "the plan's" if choice.degree * ep == block["num_experts"] else f"to apply it: --ep {block['num_experts'] // choice.degree}"
+    return here + f". Cost model recommends {choice.degree} ({verdict}): {choice.reason}"
+
+
+def _pack_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int, previous: fx.Node | None) -> fx.Node:
+    """Rewrite one block; returns its router's expert choices (the next block's `previous`)."""
     dispatch, ffn, combine = nodes[block["dispatch"]], nodes[block["expert_ffn"]], nodes[block["combine"]]
     if ffn.target is not commfx.expert_ffn.default or combine.target is not commfx.moe_combine.default:
         raise PassError(f"{block['path']}: pack_experts expects expert_parallel's block (dispatch, experts, combine)")
-    x, indices = dispatch.args[0], dispatch.args[1]
+    x, indices, capacity_factor = dispatch.args[0], dispatch.args[1], float(dispatch.args[3])
     weights = combine.args[2]
-    gate_up, down, activation = ffn.args[2], ffn.args[3], ffn.args[4]
     local_experts = block["num_experts"] // ep
     old = _block_nodes(dispatch, combine)
-    stack = dict(ffn.meta.get("nn_module_stack", {}))
     path = block["path"]
+    make = _maker(graph, ffn)
+
+    with graph.inserting_before(combine):
+        slots = make(commfx.expert_slots.default, (indices, previous, path, block["num_experts"], ep), "where each expert lives now (runtime placement)")
+        packed = make(commfx.rank_dispatch.default, (x, slots, weights, ep, local_experts, capacity_factor), "each token once per rank")
+        rows, meta, row_token, send = (make(operator.getitem, (packed, i)) for i in range(4))
+        recv_counts = make(commfx.exchange_counts.default, (send, "ep", ep), "exchange row counts")
+        back, exchange = build_exchange(make, rows, meta, send, recv_counts, ffn.args[2:5], ep, local_experts, path, chunks=1)
+        result = make(commfx.scatter_add_tokens.default, (back, row_token, x), "sum ranks' rows into tokens")
+    combine.replace_all_uses_with(result)
+    erase_replaced(graph, old)
+    experts = next(n for n in exchange if n.target is commfx.packed_expert_ffn.default)
+    block.update(
+        dispatch=packed.name, expert_ffn=experts.name, combine=result.name, packed=True,
+        packed_exchange=[n.name for n in exchange], packed_inputs=[rows.name, meta.name, send.name, recv_counts.name],
+    )
+    return indices
+
+
+def _maker(graph: fx.Graph, like: fx.Node):
+    stack = dict(like.meta.get("nn_module_stack", {}))
 
     def make(target, args, purpose=None):
         node = graph.call_function(target, args)
         node.meta["nn_module_stack"] = stack
         return stamp(node, PASS, purpose) if purpose else node
 
-    with graph.inserting_before(combine):
-        packed = make(commfx.rank_dispatch.default, (x, indices, weights, ep, local_experts), "each token once per rank")
-        rows, meta, row_token, send = (make(operator.getitem, (packed, i)) for i in range(4))
-        send_counts = make(torch.ops.aten.view.default, (send, [ep, 1]), "rows per destination rank")
-        recv_counts = make(commfx.exchange_counts.default, (send, "ep", ep), "exchange row counts")
-        received = make(
-            commfx.all_to_all.default, (rows, send_counts, recv_counts, "ep", "a2a", f"{path} packed dispatch"), "dispatch all-to-all, token rows"
+    return make
+
+
+def build_exchange(make, rows, meta, send, recv_counts, ffn_weights, ep: int, local_experts: int, path: str, chunks: int):
+    """dispatch all-to-alls -> local experts -> weighted sum -> combine all-to-all, in `chunks`
+    pieces (each destination rank's rows cut into `chunks` runs, as `split_chunks` does, so
+    the receiver derives its chunk counts from the counts it has). Returns (the rows that came
+    back, in `rows`' order; every node made)."""
+    made: list[fx.Node] = []
+
+    def node(target, args, purpose=None):
+        made.append(make(target, args, purpose))
+        return made[-1]
+
+    gate_up, down, activation = ffn_weights
+    send_counts = node(torch.ops.aten.view.default, (send, [ep, 1]), "rows per destination rank")
+    if chunks == 1:
+        pieces = [(rows, meta, send_counts, recv_counts, "")]
+    else:
+        send_chunks = node(commfx.chunk_counts.default, (send_counts, chunks), f"rows per rank in each of {chunks} chunks")
+        recv_chunks = node(commfx.chunk_counts.default, (recv_counts, chunks), "the same, for the rows this rank receives")
+        row_pieces = node(commfx.split_chunks.default, (rows, send, chunks), f"cut every rank's rows into {chunks} runs")
+        meta_pieces = node(commfx.split_chunks.default, (meta, send, chunks))
+        pieces = [
+            (
+                node(operator.getitem, (row_pieces, j)),
+                node(operator.getitem, (meta_pieces, j)),
+                node(torch.ops.aten.select.int, (send_chunks, 0, j)),
+                node(torch.ops.aten.select.int, (recv_chunks, 0, j)),
+                f" {j + 1}/{chunks}",
+            )
+            for j in range(chunks)
+        ]
+    backs = []
+    for rows_j, meta_j, send_j, recv_j, part in pieces:
+        received = node(commfx.all_to_all.default, (rows_j, send_j, recv_j, "ep", "a2a", f"{path} packed dispatch{part}"), f"dispatch all-to-all, token rows{part}")
+        received_meta = node(commfx.all_to_all.default, (meta_j, send_j, recv_j, "ep", "a2a", f"{path} packed routing{part}"), f"routing weights and local ids{part}")
+        split = node(commfx.split_meta.default, (received_meta,))
+        row_weights, local_ids = node(operator.getitem, (split, 0)), node(operator.getitem, (split, 1))
+        summed = node(
+            commfx.packed_expert_ffn.default, (received, local_ids, row_weights, gate_up, down, activation),
+            f"local experts ({local_experts}) and their weighted sum, fused{part}",
         )
-        received_meta = make(
-            commfx.all_to_all.default, (meta, send_counts, recv_counts, "ep", "a2a", f"{path} packed routing"), "routing weights and local ids"
-        )
-        split = make(commfx.split_meta.default, (received_meta,))
-        row_weights, local_ids = make(operator.getitem, (split, 0)), make(operator.getitem, (split, 1))
-        laid = make(commfx.masked_dispatch.default, (received, local_ids, local_experts), "fan out to local experts")
-        expert_rows, counts, slot = (make(operator.getitem, (laid, i)) for i in range(3))
-        experts = make(commfx.expert_ffn.default, (expert_rows, counts, gate_up, down, activation), f"local experts ({local_experts})")
-        summed = make(commfx.moe_combine.default, (experts, slot, row_weights), "weighted sum at the expert rank")
-        back = make(
-            commfx.all_to_all.default, (summed, recv_counts, send_counts, "ep", "a2a", f"{path} packed combine"), "combine all-to-all, one row per (token, rank)"
-        )
-        result = make(commfx.scatter_add_tokens.default, (back, row_token, x), "sum ranks' rows into tokens")
-    combine.replace_all_uses_with(result)
-    erase_replaced(graph, old)
-    block.update(dispatch=packed.name, expert_ffn=experts.name, combine=result.name, packed=True)
+        backs.append(node(commfx.all_to_all.default, (summed, recv_j, send_j, "ep", "a2a", f"{path} packed combine{part}"), f"combine all-to-all, one row per (token, rank){part}"))
+    if chunks == 1:
+        return backs[0], made
+    return node(commfx.merge_chunks.default, (backs, send, chunks), "rows back in dispatch order"), made
 
 
 def _block_nodes(dispatch: fx.Node, combine: fx.Node) -> list[fx.Node]:

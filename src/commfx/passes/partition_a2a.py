@@ -31,6 +31,7 @@ from .cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_b
 from ..plan import Plan, PlanError
 from ..compiler.program import Program, stamp
 from .base import Pass, PassError, register
+from .pack_experts import build_exchange
 
 commfx = torch.ops.commfx
 PASS = "partition_a2a"
@@ -82,7 +83,10 @@ class PartitionA2A(Pass):
                     f"use k <= {tokens} or k=auto"
                 )
             block["chunks"] = chunks
-            _partition_block(program.graph, nodes, block, chunks)
+            if block.get("packed"):
+                _partition_packed_block(program.graph, nodes, block, chunks)
+            else:
+                _partition_block(program.graph, nodes, block, chunks)
         chunk = grad_chunk_bytes(plan.topology) if options.grad_chunk_bytes == "auto" else int(options.grad_chunk_bytes)
         program.annotations["comm_schedule"] = {"priority": options.priority, "grad_chunk_bytes": chunk if options.priority else 0}
         program.gm.recompile()
@@ -204,3 +208,30 @@ def _partition_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ch
     block["expert_ffn"] = ffns[0].name
     block["expert_ffn_chunks"] = [n.name for n in ffns]
 
+
+
+def _partition_packed_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, chunks: int) -> None:
+    """A block pack_experts rewrote: rebuild its exchange (dispatch all-to-alls, local experts,
+    weighted sum, combine all-to-all) in `chunks` pieces, each destination rank's token rows
+    cut into `chunks` runs."""
+    old = [nodes[name] for name in block["packed_exchange"]]
+    rows, meta, send, recv_counts = (nodes[name] for name in block["packed_inputs"])
+    ffn = nodes[block["expert_ffn"]]
+    ep = recv_counts.args[2]
+    if chunks == 1:  # the packed exchange is one chunk already (its all-to-alls are class a2a)
+        return
+
+    def make(target, args, purpose=None):
+        node = graph.call_function(target, args)
+        node.meta["nn_module_stack"] = dict(ffn.meta.get("nn_module_stack", {}))
+        return stamp(node, PASS, purpose) if purpose else node
+
+    with graph.inserting_before(old[0]):
+        back, made = build_exchange(make, rows, meta, send, recv_counts, ffn.args[3:6], ep, block["num_experts"] // ep, block["path"], chunks)
+    old[-1].replace_all_uses_with(back)
+    for node in reversed(old):
+        graph.erase_node(node)
+    ffns = [n for n in made if n.target is commfx.packed_expert_ffn.default]
+    block.update(expert_ffn=ffns[0].name, expert_ffn_chunks=[n.name for n in ffns], packed_exchange=[n.name for n in made])
+    for node in made:
+        nodes[node.name] = node

@@ -6,7 +6,9 @@ graph to the compile function it was given (the compiler wing's `compile_trainin
 aot_autograd forward and backward, scheduled) and from then on runs both graphs through
 the graph executor; gradients are reduced by `GradientSync` as the backward graph produces
 them. Its state_dict holds the local parameters under the original names (prefixed
-`module.`, as with DDP) plus the expert placement, which loading checks.
+`module.`, as with DDP) plus the expert sharding, which loading checks, and the packed
+layers' expert placement and routing statistics (`expert_placement.py`), which loading
+restores.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..plan import Plan
 from .comm import CommScheduler, install_default
+from .expert_placement import Decision, placements_of, replace_experts
 from .executor import BackwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
 from .trace import Timeline
@@ -66,6 +69,13 @@ class DistributedModule(torch.nn.Module):
         # the shape. The bound keeps a stream of new lengths from lowering without end.
         self._compiled: dict[tuple, object] = {}
         self.max_signatures = 16
+        # Packed layers (pack_experts): their placement and routing statistics, by op id.
+        self.packing = program.annotations.get("expert_placement", {})
+        self.placements = placements_of(scheduler)
+        for op_id, spec in self.packing.items():
+            self.placements.get(op_id, spec["num_experts"], spec["ranks"]).weights = list(spec["weights"])
+        self.optimizer_steps = 0
+        self.placement_log: list[list[Decision]] = []
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         inputs = graph_inputs(self.program, args, kwargs)
@@ -122,8 +132,37 @@ class DistributedModule(torch.nn.Module):
     def comm_stats(self):
         return self.scheduler.stats
 
+    # -- expert placement (pack_experts) -------------------------------------------------
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Re-place packed experts every `pack_experts:replace_every` steps of `optimizer`
+        (after its step, on every rank alike), moving its state with the weights."""
+        every = max((spec["replace_every"] for spec in self.packing.values()), default=0)
+        if not every:
+            return
+
+        def after_step(opt, args, kwargs):
+            self.optimizer_steps += 1
+            if self.optimizer_steps % every == 0:
+                self.replace_experts(opt)
+
+        optimizer.register_step_post_hook(after_step)
+
+    def replace_experts(self, optimizer: torch.optim.Optimizer | None = None) -> list[Decision]:
+        """Re-place every packed layer's experts now from the all-reduced routing statistics
+        (collective: call on every rank at the same point, between steps)."""
+        balance = min((spec["balance"] for spec in self.packing.values()), default=0.1)
+        decisions = replace_experts(self.placements, self.scheduler, self.module, optimizer, balance)
+        self.placement_log.append(decisions)
+        return decisions
+
     def get_extra_state(self) -> dict:
-        return {"placement": self.placement, "world_size": self.plan.topology.world_size}
+        return {
+            "placement": self.placement,
+            "world_size": self.plan.topology.world_size,
+            "expert_placement": self.placements.state(),
+            "optimizer_steps": self.optimizer_steps,
+        }
 
     def set_extra_state(self, state: dict) -> None:
         if state.get("placement") != self.placement:
@@ -132,6 +171,9 @@ class DistributedModule(torch.nn.Module):
                 f"({state.get('placement')}) than this rank ({self.placement}); load it on the rank "
                 "that saved it, with the same world size and ep"
             )
+        # The saved expert shards are in the saved placement's slots: restore it with them.
+        self.placements.load_state(state.get("expert_placement", {}))
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
 
 
 def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
