@@ -58,4 +58,10 @@ def test_expert_parallel_on_model_without_moe():
 
 def test_process_groups_of_a_topology():
     groups = Topology(world_size=4, ep=2).process_groups()
-    assert groups == {"world": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}
+    assert groups == {
+        "world": [[0, 1, 2, 3]],
+        "ep": [[0, 1], [2, 3]],
+        "edp": [[0, 2], [1, 3]],
+        "tp": [[0], [1], [2], [3]],
+        "dp": [[0, 1, 2, 3]],
+    }

@@ -52,7 +52,7 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwarg
     tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
     _check_same_graph(scheduler, program)
-    placement = shard_parameters(program, groups["ep"].rank)
+    placement = shard_parameters(program, {name: handle.rank for name, handle in groups.items() if "/" not in name})
     return DistributedModule(program, plan, scheduler, placement, compile_training)
 
 

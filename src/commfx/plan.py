@@ -59,9 +59,12 @@ class Topology:
     def validate(self) -> None:
         if self.world_size < 1:
             raise PlanError(f"world size must be at least 1, got {self.world_size}")
-        if self.pp != 1 or self.tp != 1:
+        if self.pp != 1:
+            raise PlanError(f"pipeline parallel layouts (pp={self.pp}) are not supported yet; use pp=1")
+        if self.tp < 1 or self.world_size % self.tp:
             raise PlanError(
-                f"pipeline (pp={self.pp}) and tensor (tp={self.tp}) parallel layouts are not supported yet; use pp=1 tp=1"
+                f"tensor-parallel size {self.tp} must divide the world size {self.world_size}; "
+                f"choose tp from {divisors(self.world_size)}"
             )
         ep = self.expert_parallel_size
         if ep < 1 or self.world_size % ep:
@@ -74,18 +77,32 @@ class Topology:
                 f"ranks per node {self.ranks_per_node} must divide the world size {self.world_size}"
             )
 
+    def tp_index(self, rank: int) -> int:
+        """This rank's position in its tensor-parallel group (tp is the fastest-varying index)."""
+        return rank % self.tp
+
+    def dp_index(self, rank: int) -> int:
+        """Which data shard this rank reads: rank = pp_idx*(dp*tp) + dp_idx*tp + tp_idx, and
+        the ranks of one tensor-parallel group read the same rows."""
+        return (rank // self.tp) % self.dp
+
     def process_groups(self) -> dict[str, list[list[int]]]:
         """Every group the plan uses, as lists of global ranks, in a fixed creation order.
 
-        `world` carries the replicated (data-parallel) gradients, `ep` the expert
-        all-to-alls (blocks of consecutive ranks), `edp` the gradients of expert shards that
-        are replicated when ep < world (ranks at the same position in every ep block).
+        `world` carries the replicated (data-parallel) gradients while tp == 1, `ep` the
+        expert all-to-alls (blocks of consecutive ranks), `edp` the gradients of expert shards
+        that are replicated when ep < world (ranks at the same position in every ep block),
+        `tp` the tensor-parallel all-reduces (blocks of tp consecutive ranks), `dp` the
+        replicated gradients once tp > 1 (ranks with the same pp and tp index).
         """
         ep = self.expert_parallel_size
         world = list(range(self.world_size))
         ep_groups = [world[i : i + ep] for i in range(0, self.world_size, ep)]
         edp_groups = [world[i :: ep] for i in range(ep)]
-        return {"world": [world], "ep": ep_groups, "edp": edp_groups}
+        tp_groups = [world[i : i + self.tp] for i in range(0, self.world_size, self.tp)]
+        block = self.dp * self.tp  # ranks of one pipeline stage
+        dp_groups = [world[s + t : s + block : self.tp] for s in range(0, self.world_size, block) for t in range(self.tp)]
+        return {"world": [world], "ep": ep_groups, "edp": edp_groups, "tp": tp_groups, "dp": dp_groups}
 
 
 def divisors(n: int) -> list[int]:
@@ -130,8 +147,17 @@ class Plan:
 
     @property
     def grad_scale(self) -> float:
-        """What summed replicated gradients are multiplied by (1/world under mean, like DDP)."""
-        return 1.0 / self.topology.world_size if self.grad_reduction == "mean" else 1.0
+        """What summed replicated gradients are multiplied by (1/dp under mean, like DDP: the
+        ranks of one tensor-parallel group read the same rows, so they count once)."""
+        return 1.0 / self.topology.dp if self.grad_reduction == "mean" else 1.0
+
+    def grad_scale_for(self, group: str) -> float:
+        """The factor for gradients summed over `group`. Expert gradients (`edp`) arrive
+        through the all-to-all summed over every rank's tokens, and the ranks of a
+        tensor-parallel group send the same tokens, so under mean they take 1/world."""
+        if group == "edp" and self.grad_reduction == "mean":
+            return 1.0 / self.topology.world_size
+        return self.grad_scale
 
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]

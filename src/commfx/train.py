@@ -40,11 +40,11 @@ def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .api import distribute
     from .compiler.render import render
-    from .verify import split_batch
+    from .verify import rank_batch
 
     kwargs = {"batch": config.batch} if config.batch else {}
     model, inputs = load_model(config.model, seed=config.seed, **kwargs)
-    local = tuple(split_batch(t, world_size, rank) for t in inputs)
+    local = rank_batch(inputs, config.plan.topology, rank)
     dm = distribute(model, config.plan, local)
     if rank == 0 and config.dump_path:
         with open(config.dump_path, "w") as f:

@@ -110,13 +110,18 @@ def local_batch(inputs, world_size: int, rank: int):
     return tuple(split_batch(t, world_size, rank) for t in inputs)
 
 
+def rank_batch(inputs, topology, rank: int):
+    """The rows `rank` reads: the ranks of one tensor-parallel group read the same share."""
+    return local_batch(inputs, topology.dp, topology.dp_index(rank))
+
+
 def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
     """Compile rank 0's share of the batch here, in one process: what would fail on every
     rank (the plan, a capture error, a graph break, an unsupported model) fails once, before
     any rank is spawned, with the message and no traceback."""
     from .compiler.pipeline import compile_program
 
-    compile_program(model, plan, local_batch(global_inputs, plan.topology.world_size, 0))
+    compile_program(model, plan, rank_batch(global_inputs, plan.topology, 0))
 
 
 def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:
@@ -133,11 +138,15 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
     results = []
     for case in cases:
         model, inputs = build_case_model(case)
-        local = tuple(split_batch(t, world_size, rank) for t in inputs)
+        topology = case.plan.topology
+        local = rank_batch(inputs, topology, rank)
         dm = distribute(model, case.plan, local)
         outputs, _ = pytree.tree_flatten(dm(*local))
         global_rows = inputs[0].shape[0]
-        loss = sum((o * split_batch(p, world_size, rank)).sum() for o, p in zip(outputs, probes(outputs, global_rows, case.seed)))
+        loss = sum(
+            (o * split_batch(p, topology.dp, topology.dp_index(rank))).sum()
+            for o, p in zip(outputs, probes(outputs, global_rows, case.seed))
+        )
         loss.backward()
         results.append(
             {
@@ -163,10 +172,10 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
         loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
         (loss * scale).backward()
         return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return _capacity_reference(case, model, inputs, world_size, scale, capacity)
+    return _capacity_reference(case, model, inputs, case.plan.topology.dp, scale, capacity)
 
 
-def _capacity_reference(case, model, inputs, world_size, scale, capacity):
+def _capacity_reference(case, model, inputs, shards, scale, capacity):
     from torch.utils import _pytree as pytree
 
     from .compiler.pipeline import compile_program
@@ -175,12 +184,12 @@ def _capacity_reference(case, model, inputs, world_size, scale, capacity):
     from .runtime.comm import install_default, local_scheduler
 
     single = Plan(Topology(world_size=1), (PassSpec("lift"),))
-    program = compile_program(copy.deepcopy(model), single, tuple(split_batch(t, world_size, 0) for t in inputs))
+    program = compile_program(copy.deepcopy(model), single, tuple(split_batch(t, shards, 0) for t in inputs))
     set_capacity(program, capacity)
     install_default(local_scheduler())
     pieces = []
-    for rank in range(world_size):
-        local = tuple(split_batch(t, world_size, rank) for t in inputs)
+    for rank in range(shards):
+        local = tuple(split_batch(t, shards, rank) for t in inputs)
         pieces.append(list(program.gm(*local)))
     outputs = [torch.cat([piece[i] for piece in pieces]) for i in range(len(pieces[0]))]
     loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
@@ -210,13 +219,29 @@ def low_precision_tolerances(case: VerifyCase, ref_grads: dict[str, torch.Tensor
 
 
 def compare(case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float) -> VerifyReport:
+    from .compiler.sharding import assemble
+
     ref_outputs, ref_grads = reference(case, world_size)
-    outputs = [torch.cat([r["outputs"][i] for r in rank_results]) for i in range(len(ref_outputs))]
+    topology = case.plan.topology
+    tp = topology.tp
+    # One rank per data shard gives the global output; the others of its tp group must agree.
+    outputs = [torch.cat([rank_results[d * tp]["outputs"][i] for d in range(topology.dp)]) for i in range(len(ref_outputs))]
     output_diff = max((o - r).abs().max().item() for o, r in zip(outputs, ref_outputs))
-    ep = case.plan.topology.expert_parallel_size
+    for rank, result in enumerate(rank_results):
+        lead = rank_results[rank // tp * tp]
+        output_diff = max([output_diff] + [(a - b).abs().max().item() for a, b in zip(result["outputs"], lead["outputs"])])
+    ep = topology.expert_parallel_size
     grad_diffs, replica_diff = {}, 0.0
     for name, ref in ref_grads.items():
-        if name in rank_results[0]["placement"]:
+        placement = rank_results[0]["placement"].get(name)
+        if isinstance(placement, dict):  # tensor-parallel shard: assemble each tp group's parts
+            def group_full(start):
+                ranks = range(start, start + tp)
+                return assemble([rank_results[r]["grads"][name] for r in ranks], [rank_results[r]["placement"][name] for r in ranks])
+
+            full = group_full(0)
+            replicas = [group_full(b) for b in range(0, world_size, tp)]
+        elif placement is not None:
             full = torch.cat([rank_results[r]["grads"][name] for r in range(ep)])
             replicas = [torch.cat([rank_results[b + r]["grads"][name] for r in range(ep)]) for b in range(0, world_size, ep)]
         else:

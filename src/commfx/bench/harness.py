@@ -97,11 +97,11 @@ class _PlanRunner:
     def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
         from ..api import distribute
         from ..models import load_model
-        from ..verify import split_batch
+        from ..verify import rank_batch
 
         self.spec = spec
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
-        self.inputs = tuple(split_batch(t, world_size, rank) for t in inputs)
+        self.inputs = rank_batch(inputs, spec.plan.topology, rank)
         self.dm = distribute(model, spec.plan, self.inputs)
         self.scheduler = self.dm.scheduler
         self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)

@@ -29,6 +29,9 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
     parser.add_argument("--world-size", type=positive_int, default=default_world, help="number of ranks")
     parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0, help="ranks per node (bytes are split intra/inter node)")
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel size (needs the tensor_parallel pass; default 1)"
+    )
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -41,7 +44,7 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 
 def _plan(args) -> Plan:
-    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, ranks_per_node=args.ranks_per_node)
+    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, tp=args.tp, ranks_per_node=args.ranks_per_node)
     return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout)
 
 

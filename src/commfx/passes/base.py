@@ -73,6 +73,11 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
     once and after the passes it needs, that its options parse, and (given the model) that
     each pass fits it. Errors say what is wrong and how to fix it."""
     plan.validate()
+    if plan.topology.tp > 1 and "tensor_parallel" not in plan.pass_names():
+        raise PlanError(
+            f"tensor-parallel size {plan.topology.tp} needs the tensor_parallel pass, e.g. "
+            f"--passes {','.join(['lift', *[n for n in plan.pass_names() if n != 'lift'], 'tensor_parallel'])}"
+        )
     seen: list[str] = []
     for spec in plan.passes:
         if spec.name not in REGISTRY and "=" in spec.name:
@@ -165,7 +170,7 @@ def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None, w
 
 # ------------------------------------------------------------------------------ verifier
 
-COMM_OPS = ("all_to_all", "exchange_counts")
+COMM_OPS = ("all_to_all", "exchange_counts", "all_reduce", "tp_copy")
 RANK_QUERIES = {"get_rank", "get_world_size", "get_process_group_ranks"}
 
 
@@ -184,7 +189,8 @@ def verify_graph(program: Program, plan: Plan) -> None:
             group = node.args[3] if node.target is torch.ops.commfx.all_to_all.default else node.args[1]
             if group not in known_groups:
                 raise PassError(f"node {node.name} uses process group {group!r}, which the plan does not define")
-            priority = node.args[4] if len(node.args) > 4 else node.kwargs.get("priority", DEFAULT_CLASS)
+            is_a2a = node.target is torch.ops.commfx.all_to_all.default
+            priority = node.args[4] if is_a2a and len(node.args) > 4 else node.kwargs.get("priority", DEFAULT_CLASS)
             if priority not in PRIORITY_CLASSES:
                 raise PassError(f"node {node.name} uses priority class {priority!r}, which is not registered")
     verify_waits(graph)

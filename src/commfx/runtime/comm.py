@@ -279,7 +279,7 @@ def local_scheduler(topology: Topology | None = None) -> CommScheduler:
     groups = {
         group_key(name, priority): GroupHandle(group_key(name, priority), None, [0], 0)
         for priority in PRIORITY_CLASSES
-        for name in ("world", "ep", "edp")
+        for name in topology.process_groups()
     }
     return CommScheduler(topology, 0, groups)
 

@@ -19,7 +19,7 @@ from .comm import CommScheduler, active
 from .grad_sync import GradientSync
 from .trace import Timeline
 
-COMM_OPS = {"all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor"}
+COMM_OPS = {"all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor", "all_reduce"}
 _UNTIMED = {"placeholder", "output", "get_attr"}
 
 

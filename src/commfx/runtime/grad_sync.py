@@ -56,6 +56,7 @@ class GradientSync:
         scheduler: CommScheduler,
         *,
         scale: float,
+        scales: dict[str, float] | None = None,  # per group, where it differs from `scale`
         bucket_bytes: int = 1 << 20,
         chunk_bytes: int = 0,  # 0: a bucket is one collective
         priority: str = "grad",
@@ -63,6 +64,7 @@ class GradientSync:
         self.slots = slots
         self.scheduler = scheduler
         self.scale = scale
+        self.scales = scales or {}
         self.chunk_bytes = chunk_bytes
         self.priority = priority
         self.buckets = _make_buckets(slots, bucket_bytes)
@@ -91,8 +93,9 @@ class GradientSync:
             for bucket in self.buckets:
                 for pending in bucket.pending:
                     self.scheduler.wait(pending)
-                if self.scale != 1.0:
-                    bucket.flat.mul_(self.scale)
+                scale = self.scales.get(bucket.group, self.scale)
+                if scale != 1.0:
+                    bucket.flat.mul_(scale)
                 offset = 0
                 for slot in bucket.slots:
                     numel = self.slots[slot].param.numel()

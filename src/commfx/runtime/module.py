@@ -169,10 +169,19 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
+    # Replicated gradients are summed over the ranks that read other rows: the whole world,
+    # or once tensor parallelism is on, the dp group (a tp group's ranks hold equal copies).
+    replicated = "dp" if plan.topology.tp > 1 else "world"
     slots = [
-        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
+        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else replicated))
         for name, param in named_params
     ]
+    scales = {slot.group: plan.grad_scale_for(slot.group) for slot in slots}
     return GradientSync(
-        slots, scheduler, scale=plan.grad_scale, bucket_bytes=plan.grad_bucket_bytes, chunk_bytes=schedule.get("grad_chunk_bytes", 0)
+        slots,
+        scheduler,
+        scale=plan.grad_scale,
+        scales=scales,
+        bucket_bytes=plan.grad_bucket_bytes,
+        chunk_bytes=schedule.get("grad_chunk_bytes", 0),
     )
