@@ -185,19 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..runtime.launcher import Stopped, stop_on_signals
+
+    try:
+        with stop_on_signals():  # from the start: a signal while compiling, before any rank, ends cleanly too
+            return _run_command(argv)
+    except Stopped as stop:
+        done = "every rank was stopped and the job directory removed" if stop.ranks_stopped else "no rank had started"
+        console.print(f"{stop}: {done}", markup=False)
+        return 128 + stop.signum
+
+
+def _run_command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler.capture import CaptureError
     from ..passes import PassError
-    from ..runtime.launcher import LaunchError, Stopped
+    from ..runtime.launcher import LaunchError
 
     try:
         return args.func(args)
     except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
         print_error(error)
         return 2
-    except Stopped as stop:
-        console.print(f"{stop}: every rank was stopped and the job directory removed", markup=False)
-        return 128 + stop.signum
 
 
 def print_error(error: BaseException) -> None:

@@ -11,9 +11,11 @@ a hang.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +39,7 @@ class Stopped(BaseException):
 
     def __init__(self, signum: int):
         self.signum = signum
+        self.ranks_stopped = 0  # how many ranks the launcher had started and then stopped
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
@@ -74,45 +77,86 @@ def launch(
 
     Returns each rank's return value, in rank order.
     """
-    with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="commfx-job-") as tmp:
-        job = Path(tmp)
-        (job / "job.pkl").write_bytes(
-            pickle.dumps(
-                {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
-            )
-        )
-        port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
-        procs = [
-            _start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0)
-            for rank in range(world_size)
-        ]
+    with stop_on_signals():
+        job = Path(tempfile.mkdtemp(prefix="commfx-job-"))
+        procs: list[subprocess.Popen] = []
         try:
-            with _stop_on_signals():
-                _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
-        except BaseException:
-            _kill_all(procs)
+            (job / "job.pkl").write_bytes(
+                pickle.dumps(
+                    {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
+                )
+            )
+            port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
+            for rank in range(world_size):
+                procs.append(_start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0))
+            _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
+            return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
+        except Stopped as stop:
+            stop.ranks_stopped = len(procs)
             raise
-        return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
+        finally:
+            with _uninterrupted(len(procs)):
+                _kill_all(procs)  # those still running: none after a clean finish
+                shutil.rmtree(job, ignore_errors=True)
+
+
+class _RaiseStopped:
+    """The handler `stop_on_signals` installs. Only the first signal raises: a second one
+    (Ctrl-C pressed twice) must not cut short the clean-up the first one started. During
+    `_uninterrupted` clean-up a signal is held and raised when it is done."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.holding = 0
+        self.held: int | None = None
+
+    def __call__(self, signum: int, _frame) -> None:
+        if self.stopping:
+            return
+        if self.holding:
+            self.held = self.held or signum
+            return
+        self.stopping = True
+        raise Stopped(signum)
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
-    """While ranks run, SIGTERM/SIGINT/SIGHUP raise `Stopped` here (so the ranks are killed
-    and the job directory removed on the way out) instead of ending this process on the
-    spot and orphaning them. Only the main thread can take signals; elsewhere, no change."""
-    if threading.current_thread() is not threading.main_thread():
+def _uninterrupted(ranks: int):
+    """Stopping ranks and removing the job directory run to their end; a stop signal that
+    arrives meanwhile is raised afterwards (unless a stop is already under way)."""
+    handler = next((h for h in map(signal.getsignal, STOP_SIGNALS) if isinstance(h, _RaiseStopped)), None)
+    if handler is None:
         yield
         return
-
-    def stop(signum, _frame):
-        raise Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    handler.holding += 1
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        handler.holding -= 1
+    if not handler.holding and handler.held and not handler.stopping:
+        stop, handler.held, handler.stopping = Stopped(handler.held), None, True
+        stop.ranks_stopped = ranks
+        raise stop
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """While this is open, SIGTERM/SIGINT/SIGHUP raise `Stopped` (so that ranks are killed and
+    the job directory removed on the way out) instead of ending the process on the spot and
+    orphaning its ranks. A signal the caller ignores stays ignored (`nohup` ignores SIGHUP, a
+    shell's background job SIGINT). Only the main thread takes signals: elsewhere, and inside
+    an outer `stop_on_signals`, this changes nothing."""
+    current = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    if threading.current_thread() is not threading.main_thread() or any(isinstance(h, _RaiseStopped) for h in current.values()):
+        yield
+        return
+    handler = _RaiseStopped()
+    previous = {s: signal.signal(s, handler) for s, h in current.items() if h is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
@@ -132,11 +176,35 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
         }
     )
     env.update(extra.env)
-    log = open(job / f"log_{rank}.txt", "wb")
     argv = [*extra.prefix, sys.executable, "-m", "commfx.runtime.worker", str(job), str(rank)]
-    return subprocess.Popen(
-        argv, env=env, stdout=None if stream else log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
-    )
+    with open(job / f"log_{rank}.txt", "wb") as log:  # the rank holds its own copy
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=None if stream else log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
+
+
+def _die_with(launcher_pid: int) -> Callable[[], None] | None:
+    """What a rank runs between fork and exec: ask the kernel to SIGKILL it when the launcher
+    dies (PR_SET_PDEATHSIG survives exec). Armed here, not in the worker, because a rank spends
+    its first seconds importing torch (ten or more on a busy machine) before its own code runs;
+    a launcher killed then must not leave it behind. The worker's parent watch is the backstop."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: the child only calls it
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
+            os._exit(3)
+
+    return arm
 
 
 def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_s: float) -> None:
