@@ -161,11 +161,23 @@ def test_pass_list_hints_keep_the_users_passes(capsys, passes, message):
 
 
 @pytest.mark.distributed
-def test_a_rank_hung_before_distribute_is_named_with_its_stack():
-    """Rank 1 hangs in user code; rank 0 waits at distribute's rendezvous, which is bounded by
-    Plan.collective_timeout_s (4 s here) and names rank 1; the launcher stops rank 1 and shows
-    where it was."""
-    message = launch_error("hangs_before_distribute", hanging_rank=1)
-    assert message.startswith("rank 0 failed (its code raised)"), message
-    assert "rank(s) 1 did not reach commfx's rendezvous" in message
-    assert "rank 1, stopped by the launcher, was at" in message and "in hangs_before_distribute" in message
+@pytest.mark.parametrize(
+    "worker, waited_in",
+    [
+        ("hangs_before_distribute", "rank(s) 1 did not reach commfx's rendezvous"),
+        ("hangs_between_steps", "all_to_all on group 'ep' (a2a) did not finish within 4s on rank 0"),
+    ],
+)
+def test_a_hung_rank_is_named_first_with_its_stack(worker, waited_in):
+    """Rank 1 hangs in user code, before distribute or between two steps; rank 0 waits at the
+    rendezvous or in a collective, bounded by Plan.collective_timeout_s (4 s here). The
+    headline names rank 1, not rank 0 whose wait timed out; the launcher stops rank 1 and
+    shows where it was, then rank 0's error."""
+    message = launch_error(worker, hanging_rank=1)
+    assert message.startswith(
+        "rank 1 did not arrive: rank 0 waited for it in a collective until the time bound "
+        "(Plan.collective_timeout_s, --collective-timeout); the launcher then stopped rank 1, still running."
+    ), message
+    stack, waited = message.split("--- rank 1, stopped by the launcher, was at ---")[1].split("--- rank 0, which waited ---")
+    assert f"in {worker}" in stack
+    assert waited_in in waited and "Original traceback" not in waited
