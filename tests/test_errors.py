@@ -41,6 +41,8 @@ def no_launch(monkeypatch):
         (["run", "gpt-moe-tiny", "--world-size", "0"], "argument --world-size: must be a positive integer, got 0"),
         (["verify", "gpt-moe-tiny", "--tolerance", "-1"], "argument --tolerance: must be a non-negative number"),
         (["bench", "gpt-moe-tiny", "--nodes", "0"], "argument --nodes: must be a positive integer, got 0"),
+        (["bench", "gpt-moe-tiny", "--timeout", "-5"], "argument --timeout: must be a positive number, got -5"),
+        (["run", "gpt-moe-tiny", "--collective-timeout", "inf"], "argument --collective-timeout: must be a positive number, got inf"),
     ],
 )
 def test_numeric_arguments_are_validated(capsys, argv, message):
@@ -78,6 +80,15 @@ def test_error_text_is_printed_literally(capsys, monkeypatch):
     monkeypatch.setattr(cli, "cmd_passes", fails)
     assert main(["passes"]) == 2
     assert text in capsys.readouterr().out.replace("\n", "")
+
+
+def test_paths_and_pass_lists_are_printed_literally(capsys, tmp_path):
+    """`[run1]` in a path is not a rich style tag (it used to vanish: 'out//graph.txt')."""
+    output = tmp_path / "[run1]" / "graph.txt"
+    output.parent.mkdir()
+    assert main(["dump", "gpt-moe-tiny", "--world-size", "2", "-o", str(output)]) == 0
+    assert f"to {output}" in capsys.readouterr().out.replace("\n", "")
+    assert output.exists()
 
 
 @pytest.mark.distributed

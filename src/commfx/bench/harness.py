@@ -468,7 +468,7 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
         try:
             return launch(
                 "commfx.bench.harness:bench_worker", cluster.world_size, {"config": config},
-                timeout_s=timeout_s, collective_timeout_s=min(300.0, timeout_s),
+                timeout_s=timeout_s, collective_timeout_s=max(spec.plan.collective_timeout_s for spec in config.plans),
                 rank_environment=environment, master_addr=cluster.master_addr, master_port=cluster.suggest_port(),
             )
         finally:
@@ -480,7 +480,8 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
                  model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
                  lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
                  link: LinkSpec | None = None, flops_per_rank: float | None = None,
-                 grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None) -> BenchConfig:
+                 grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None,
+                 collective_timeout_s: float | None = None) -> BenchConfig:
     """Validate every plan against the model before any rank starts.
 
     Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
@@ -504,6 +505,8 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         plan = Plan.from_cli(text, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **figures)
         if grad_bucket_bytes:
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
+        if collective_timeout_s:
+            plan = dataclasses.replace(plan, collective_timeout_s=collective_timeout_s)
         return PlanSpec(label, text, plan)
 
     specs = [spec("plan", passes)]
@@ -528,9 +531,9 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
 
     console = console or Console(highlight=False)
     with make_cluster(config.nodes, config.ranks_per_node, link, emulate=emulate) as cluster:
-        console.print(f"cluster: {cluster.describe()}")
+        console.print(f"cluster: {cluster.describe()}", markup=False)
         if not cluster.emulated:
-            console.print(f"[yellow]warning:[/yellow] no emulated network ({cluster.reason}); "
+            console.print(f"[yellow]warning:[/yellow] no emulated network ({escape(cluster.reason)}); "
                           "ranks talk over plain localhost, so link rate and latency are NOT applied")
         calibration = None
         if calibrate_first:
@@ -543,7 +546,7 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
 
             for spec in config.plans:
                 merged = merge_traces([r[spec.label]["trace"] for r in samples], Path(config.trace_dir) / f"{spec.label}.json")
-                console.print(f"trace of one {spec.label} step: {merged}")
+                console.print(f"trace of one {spec.label} step: {merged}", markup=False)
     result.calibration = calibration
     return result
 
@@ -642,4 +645,4 @@ def render(result: BenchResult, console) -> None:
             f"p25–p75 {r.quantile(0.25):.2f}–{r.quantile(0.75):.2f}, min–max {min(r.samples):.2f}–{max(r.samples):.2f}"
         )
     if not result.emulated:
-        console.print(f"[yellow]not emulated:[/yellow] {result.fallback_reason}")
+        console.print(f"[yellow]not emulated:[/yellow] {escape(result.fallback_reason)}")

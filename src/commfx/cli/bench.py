@@ -60,7 +60,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="first measure compute rate and link throughput, and print the FLOPs-per-byte balance")
     parser.add_argument("--no-emulation", action="store_true", help="run on plain localhost without link shaping")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped (default 600)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped (default 600)")
+    parser.add_argument("--collective-timeout", type=positive_float, default=120.0, metavar="SECONDS",
+                        help="bound on every wait inside the ranks: the rendezvous, group creation, each collective (default 120)")
     parser.set_defaults(func=_run)
 
 
@@ -105,17 +107,18 @@ def _run(args: argparse.Namespace) -> int:
         model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
+        collective_timeout_s=args.collective_timeout,
     )
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))
     vs = f" vs {args.vs!r}" if args.vs is not None else ""
     console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds, "
-                  f"model config {config.model_kwargs}")
+                  f"model config {config.model_kwargs}", markup=False)
     result = run_bench(config, link=link, emulate=not args.no_emulation, calibrate_first=args.calibrate,
                        console=console, timeout_s=args.timeout)
     render(result, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.as_dict(), f, indent=2, default=str)
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {args.json}", markup=False)
     return 0

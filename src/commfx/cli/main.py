@@ -10,12 +10,16 @@ import time
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..plan import Plan, PlanError
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 
-console = Console(highlight=False)
+# Markup off: what is printed is what was written. Paths, pass lists and error texts hold
+# brackets (gloo's `[/path/pair.cc:553]`, `out/[run1]/g.txt`) that rich would read as tags.
+# Colour goes through Text.
+console = Console(highlight=False, markup=False)
 STAGES = ("lifted", "distributed", "forward", "backward")
 
 
@@ -49,7 +53,7 @@ def cmd_passes(args) -> int:
     from ..passes import REGISTRY
 
     for name, cls in REGISTRY.items():
-        console.print(f"[bold]{name:<18}[/bold] {cls.summary()}", soft_wrap=True)
+        console.print(Text.assemble((f"{name:<18}", "bold"), f" {cls.summary()}"), soft_wrap=True)
     return 0
 
 
@@ -103,11 +107,11 @@ def cmd_verify(args) -> int:
     table.add_row("replicated grads across ranks", f"{report.replica_diff:.3e}", f"{args.tolerance:g}")
     console.print(table)
     for name, (tol, why) in sorted(report.low_precision.items()):
-        console.print(f"* grad {name}: judged at {tol:.3g}: {why}", markup=False, soft_wrap=True)
+        console.print(f"* grad {name}: judged at {tol:.3g}: {why}", soft_wrap=True)
     console.print(f"tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)")
-    verdict = "[green]PASS[/green]" if report.ok else "[red]FAIL[/red]"
+    verdict = ("PASS", "green") if report.ok else ("FAIL", "red")
     detail = "" if report.ok else f"; over tolerance: {', '.join(report.failures)}"
-    console.print(f"{verdict}: largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}", soft_wrap=True)
+    console.print(Text.assemble(verdict, f": largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}"), soft_wrap=True)
     return 0 if report.ok else 1
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run_command(argv)
     except Stopped as stop:
         done = "every rank was stopped and the job directory removed" if stop.ranks_stopped else "no rank had started"
-        console.print(f"{stop}: {done}", markup=False)
+        console.print(f"{stop}: {done}")
         return 128 + stop.signum
 
 
@@ -210,7 +214,5 @@ def _run_command(argv: list[str] | None) -> int:
 
 
 def print_error(error: BaseException) -> None:
-    """One line of `error:` and the message as written: error texts hold brackets (gloo's
-    `[/path/pair.cc:553]`, shapes) that rich must not read as markup."""
-    console.print("[red]error:[/red] ", end="")
-    console.print(str(error), markup=False, soft_wrap=True)
+    """One line of `error:` and the message as written (the console reads no markup)."""
+    console.print(Text.assemble(("error:", "red"), " ", str(error)), soft_wrap=True)
