@@ -163,12 +163,27 @@ def test_model_file_may_return_keyword_inputs(capsys, model_file):
     [
         ("lift,partition_a2a", "--passes lift,expert_parallel,partition_a2a"),
         ("partition_a2a", "--passes lift,expert_parallel,partition_a2a"),
-        ("lift,expert_parallel,partition_a2a:k=2,grad_chunk_bytes=4096", "Options of one pass are separated by ';'"),
+        ("lift,partition_a2a:k=2", "--passes lift,expert_parallel,partition_a2a:k=2"),
+        (
+            "partition_a2a,expert_parallel,lift",
+            "needs lift, expert_parallel before it (the list has lift, expert_parallel after it); "
+            "for example --passes lift,expert_parallel,partition_a2a",
+        ),
+        (
+            "lift,expert_parallel,partition_a2a:k=2,grad_chunk_bytes=4096",
+            "'grad_chunk_bytes=4096' is not a pass: it looks like an option. Options of one pass are separated by ';' "
+            "and passes by ',': --passes \"lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=4096\"",
+        ),
+        ("lift,expert_parallel:capacity_factor=1.25,k=2", '--passes "lift,expert_parallel:capacity_factor=1.25;k=2"'),
+        ("lift,expert_parallel,partition_a2a:k=2:priority=true", "write 'partition_a2a:k=2;priority=true' instead"),
+        ("lift;expert_parallel", "unknown pass 'lift;expert_parallel': passes are separated by ',' (--passes lift,expert_parallel)"),
+        ("lift,expert-parallel", "unknown pass 'expert-parallel' (did you mean 'expert_parallel'?)"),
     ],
 )
-def test_pass_list_hints_keep_the_users_passes(capsys, passes, message):
-    assert main(["dump", "gpt-moe-tiny", "--passes", passes]) == 2
-    assert message in capsys.readouterr().out.replace("\n", " ")
+def test_pass_list_hints_keep_the_users_passes(capsys, no_launch, passes, message):
+    assert main(["run", "gpt-moe-tiny", "--world-size", "2", "--passes", passes]) == 2
+    out = capsys.readouterr().out
+    assert message in out.replace("\n", "") and out.count("error:") == 1, out
 
 
 @pytest.mark.distributed

@@ -10,6 +10,7 @@ experts cannot be split over 4 ranks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,9 @@ class PassSpec:
             key, eq, value = item.partition("=")
             if not eq:
                 raise PlanError(f"pass option {item!r} in {text!r} must be written key=value")
+            if re.search(r":\s*\w+\s*=", value):  # k=2:priority=true
+                fixed = f"{name.strip()}:{rest.replace(':', ';')}"
+                raise PlanError(f"options of one pass are separated by ';', not ':': write {fixed!r} instead of {text.strip()!r}")
             options[key.strip()] = value.strip()
         return cls(name.strip(), options)
 
