@@ -68,6 +68,8 @@ class CollectiveRecord:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     priority: str = DEFAULT_CLASS
+    peer: int = -1  # point-to-point: the peer's index in `group` (send_rows: a send, recv_rows: a receive)
+    lane: str = ""
 
 
 class CommScheduler:
@@ -169,7 +171,7 @@ class CommScheduler:
         payload = tensor.numel() * tensor.element_size()
         self._count(kind, handle, {handle.ranks[peer]: payload})
         if self.records is not None:
-            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (0,), (), tensor.dtype, priority))
+            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (), (), tensor.dtype, priority, peer, lane))
         if self.local_only:
             return None
         tensor = tensor.contiguous()
@@ -179,6 +181,8 @@ class CommScheduler:
     def start_recv(self, out: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
         """Queue a receive into `out` from index `peer` of `group` (valid after `wait`)."""
         handle = self.group(group, priority)
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (), (out.numel(),), (), out.dtype, priority, peer, lane))
         if self.local_only:
             out.zero_()
             return None
