@@ -43,7 +43,8 @@ class Topology:
 
     @property
     def expert_parallel_size(self) -> int:
-        return self.ep or self.world_size
+        """Expert parallelism lives inside a data-parallel group (default: all of it)."""
+        return self.ep or self.dp
 
     @property
     def dp(self) -> int:
@@ -60,33 +61,53 @@ class Topology:
     def validate(self) -> None:
         if self.world_size < 1:
             raise PlanError(f"world size must be at least 1, got {self.world_size}")
-        if self.pp != 1 or self.tp != 1:
+        if self.tp != 1:
+            raise PlanError(f"tensor parallel layouts (tp={self.tp}) are not supported yet; use tp=1")
+        if self.pp < 1 or self.world_size % self.pp:
             raise PlanError(
-                f"pipeline (pp={self.pp}) and tensor (tp={self.tp}) parallel layouts are not supported yet; use pp=1 tp=1"
+                f"pipeline-parallel size {self.pp} must divide the world size {self.world_size}; "
+                f"choose pp from {divisors(self.world_size)} (--pp)"
             )
         ep = self.expert_parallel_size
-        if ep < 1 or self.world_size % ep:
-            raise PlanError(
-                f"expert-parallel size {ep} must divide the world size {self.world_size}; "
-                f"choose ep from {divisors(self.world_size)}"
-            )
+        if ep < 1 or self.dp % ep:
+            where = f"the data-parallel size {self.dp} (world {self.world_size} / pp {self.pp})" if self.pp > 1 else f"the world size {self.world_size}"
+            raise PlanError(f"expert-parallel size {ep} must divide {where}; choose ep from {divisors(self.dp)}")
         if self.ranks_per_node and self.world_size % self.ranks_per_node:
             raise PlanError(
                 f"ranks per node {self.ranks_per_node} must divide the world size {self.world_size}"
             )
 
+    def rank_of(self, pp_idx: int, dp_idx: int, tp_idx: int = 0) -> int:
+        """Rank order: tp fastest, then dp, then pp."""
+        return pp_idx * (self.dp * self.tp) + dp_idx * self.tp + tp_idx
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pp_idx, dp_idx, tp_idx) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
     def process_groups(self) -> dict[str, list[list[int]]]:
         """Every group the plan uses, as lists of global ranks, in a fixed creation order.
 
-        `world` carries the replicated (data-parallel) gradients, `ep` the expert
-        all-to-alls (blocks of consecutive ranks), `edp` the gradients of expert shards that
-        are replicated when ep < world (ranks at the same position in every ep block).
+        `ep` carries the expert all-to-alls (blocks of consecutive ranks inside a
+        data-parallel group), `edp` the gradients of expert shards that are replicated when
+        ep < dp (ranks at the same position in every ep block of one dp group), `pp` the
+        point-to-point traffic of one pipeline (same dp and tp index, ordered by stage),
+        `dp` the replicated gradients (same pp and tp index; the world when pp = tp = 1).
+        With pp > 1, `pp_ends` (first and last stage of one pipeline) and `pp_ends_dp`
+        (first and last stage of every pipeline) synchronise a weight both ends hold (a
+        tied embedding).
         """
-        ep = self.expert_parallel_size
+        ep, pp, dp, tp = self.expert_parallel_size, self.pp, self.dp, self.tp
         world = list(range(self.world_size))
-        ep_groups = [world[i : i + ep] for i in range(0, self.world_size, ep)]
-        edp_groups = [world[i :: ep] for i in range(ep)]
-        return {"world": [world], "ep": ep_groups, "edp": edp_groups}
+        dp_groups = [[self.rank_of(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        ep_groups = [group[i : i + ep] for group in dp_groups for i in range(0, dp, ep)]
+        edp_groups = [group[i::ep] for group in dp_groups for i in range(ep)]
+        pp_groups = [[self.rank_of(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        groups = {"world": [world], "ep": ep_groups, "edp": edp_groups, "pp": pp_groups, "dp": dp_groups}
+        if pp > 1:
+            groups["pp_ends"] = [[g[0], g[-1]] for g in pp_groups]
+            groups["pp_ends_dp"] = [sorted(r for g in pp_groups if g[0] % tp == t for r in (g[0], g[-1])) for t in range(tp)]
+        return groups
 
 
 def divisors(n: int) -> list[int]:
@@ -134,8 +155,9 @@ class Plan:
 
     @property
     def grad_scale(self) -> float:
-        """What summed replicated gradients are multiplied by (1/world under mean, like DDP)."""
-        return 1.0 / self.topology.world_size if self.grad_reduction == "mean" else 1.0
+        """What summed replicated gradients are multiplied by (1/dp under mean, like DDP;
+        dp is the world when there is no pipeline)."""
+        return 1.0 / self.topology.dp if self.grad_reduction == "mean" else 1.0
 
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]
@@ -170,6 +192,7 @@ class PriorityClass:
     name: str
     level: int  # lower issues first
     description: str
+    groups: tuple[str, ...] = ()  # the process groups this class uses (its clones); () = every group
 
 
 PRIORITY_CLASSES: dict[str, PriorityClass] = {}
@@ -178,12 +201,13 @@ PRIORITY_CLASSES: dict[str, PriorityClass] = {}
 DEFAULT_CLASS = "a2a"
 
 
-def register_priority_class(name: str, level: int, description: str) -> PriorityClass:
-    """Add a class (passes that bring their own traffic call this at import)."""
+def register_priority_class(name: str, level: int, description: str, groups: tuple[str, ...] = ()) -> PriorityClass:
+    """Add a class (passes that bring their own traffic call this at import). `groups`
+    limits the process groups cloned for it (default: all of the plan's groups)."""
     existing = PRIORITY_CLASSES.get(name)
     if existing is not None and existing.level != level:
         raise ValueError(f"priority class {name!r} already registered with level {existing.level}")
-    PRIORITY_CLASSES[name] = PriorityClass(name, level, description)
+    PRIORITY_CLASSES[name] = PriorityClass(name, level, description, tuple(groups))
     return PRIORITY_CLASSES[name]
 
 
@@ -196,3 +220,6 @@ def priority_class(name: str) -> PriorityClass:
 
 register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
 register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")
+# Pipeline stages wait for each other's activations and gradients: critical, like all-to-all,
+# on clones of the pp groups only (a lane per direction and peer keeps sends from blocking recvs).
+register_priority_class("pp", 10, "pipeline point-to-point: activations forward, activation gradients backward", groups=("pp",))

@@ -97,12 +97,14 @@ class _PlanRunner:
     def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
         from ..api import distribute
         from ..models import load_model
-        from ..verify import split_batch
+        from ..runtime.pipeline.module import PipelineModule
+        from ..verify import data_share, split_batch
 
         self.spec = spec
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
-        self.inputs = tuple(split_batch(t, world_size, rank) for t in inputs)
+        self.inputs = tuple(split_batch(t, *data_share(spec.plan, rank)) for t in inputs)
         self.dm = distribute(model, spec.plan, self.inputs)
+        self.pipelined = isinstance(self.dm, PipelineModule)
         self.scheduler = self.dm.scheduler
         self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
         self.records: list = []
@@ -115,7 +117,10 @@ class _PlanRunner:
         # Backward comm ops find the process-default scheduler: make it this plan's.
         install_default(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_fn(self.dm(*self.inputs), self.inputs).backward()
+        if self.pipelined:
+            self.dm.step(*self.inputs, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs))
+        else:
+            loss_fn(self.dm(*self.inputs), self.inputs).backward()
         self.optimizer.step()
 
     def step(self) -> tuple[tuple[float, float], dict]:
@@ -145,11 +150,17 @@ class _PlanRunner:
         buffers = [_dummy_buffer(r) for r in self.records]  # allocated outside the timing
         self.scheduler.barrier()
         start = time.monotonic()
+        transfers = []  # point-to-point: queued in record order (a lane per direction), waited at the end
         for record, buffer in zip(self.records, buffers):
-            if record.kind == "all_to_all":
+            if record.peer >= 0:
+                start_p2p = self.scheduler.start_send if record.send_rows else self.scheduler.start_recv
+                transfers.append(start_p2p(buffer, record.group, record.peer, kind=record.kind, priority=record.priority, lane=record.lane))
+            elif record.kind == "all_to_all":
                 self.scheduler.all_to_all(buffer, list(record.send_rows), list(record.recv_rows), record.group)
             else:
                 self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
+        for pending in transfers:
+            self.scheduler.wait(pending)
         return start, time.monotonic()
 
     def traced_step(self, rank: int, trace_dir: str) -> str:
@@ -179,6 +190,8 @@ class _PlanRunner:
 
 
 def _dummy_buffer(record) -> torch.Tensor:
+    if record.peer >= 0:  # a point-to-point send or receive
+        return torch.zeros((record.send_rows or record.recv_rows)[0], dtype=record.dtype)
     if record.kind == "all_to_all":
         return torch.zeros((sum(record.send_rows), *record.row_shape), dtype=record.dtype)
     return torch.zeros(record.send_rows[0], dtype=record.dtype)
@@ -476,7 +489,7 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
             watcher.join(timeout=5)
 
 
-def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0,
+def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0, pp: int = 1,
                  model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
                  lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
                  link: LinkSpec | None = None, flops_per_rank: float | None = None,
@@ -502,7 +515,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         figures["collective_overhead_s"] = collective_overhead_s
 
     def spec(label: str, text: str) -> PlanSpec:
-        plan = Plan.from_cli(text, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **figures)
+        plan = Plan.from_cli(text, world_size=world, ep=ep, pp=pp, ranks_per_node=ranks_per_node, **figures)
         if grad_bucket_bytes:
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
         if collective_timeout_s:

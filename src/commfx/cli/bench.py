@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
                         help="per-node inter-node link, tc units, e.g. 1gbit or 200mbit,1ms; 'none' for unlimited "
                              "(default 200mbit,1ms)")
-    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the data-parallel size)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (with pipeline_split in --passes)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured rounds (default 10)")
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="rounds run before measuring (default 2)")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
@@ -103,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     link = None if args.inter_node.strip().lower() == "none" else LinkSpec.parse(args.inter_node)
     config = build_config(
-        args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep,
+        args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep, pp=args.pp,
         model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,

@@ -31,7 +31,8 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
         help="comma-separated pass list; options as name:key=value;key=value (default: lift,expert_parallel)",
     )
     parser.add_argument("--world-size", type=positive_int, default=default_world, help="number of ranks")
-    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the data-parallel size)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size: stages (use with the pipeline_split pass)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0, help="ranks per node (bytes are split intra/inter node)")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -45,7 +46,7 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 
 def _plan(args) -> Plan:
-    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, ranks_per_node=args.ranks_per_node)
+    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, pp=args.pp, ranks_per_node=args.ranks_per_node)
     return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout)
 
 
@@ -76,6 +77,10 @@ def cmd_dump(args) -> int:
     else:
         gm = program.gm
     text = render(gm, args.format)
+    if args.stage == "distributed" and "pipeline" in program.annotations:
+        from ..compiler.render import render_pipeline
+
+        text = render_pipeline(program.annotations["pipeline"], args.format)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections import defaultdict
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class CollectiveRecord:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     priority: str = DEFAULT_CLASS
+    peer: int = -1  # point-to-point: the peer's index in `group` (send_rows: a send, recv_rows: a receive)
+    lane: str = ""
 
 
 class CommScheduler:
@@ -161,6 +164,31 @@ class CommScheduler:
         self.wait(self.start_all_reduce(tensor, group, kind, priority))
         return tensor
 
+    def start_send(self, tensor: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
+        """Queue a point-to-point send of `tensor` to index `peer` of `group`, in its own
+        lane: sends in one lane go in submission order, and never wait behind a receive."""
+        handle = self.group(group, priority)
+        payload = tensor.numel() * tensor.element_size()
+        self._count(kind, handle, {handle.ranks[peer]: payload})
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (), (), tensor.dtype, priority, peer, lane))
+        if self.local_only:
+            return None
+        tensor = tensor.contiguous()
+        issue = lambda: _WorkInThread(dist.isend(tensor, dst=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue, lane=lane))
+
+    def start_recv(self, out: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
+        """Queue a receive into `out` from index `peer` of `group` (valid after `wait`)."""
+        handle = self.group(group, priority)
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (), (out.numel(),), (), out.dtype, priority, peer, lane))
+        if self.local_only:
+            out.zero_()
+            return None
+        issue = lambda: _WorkInThread(dist.irecv(out, src=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        return self.dispatcher.submit(Pending(kind, priority, group, tag, out.numel() * out.element_size(), issue, lane=lane))
+
     def all_gather_object(self, obj, group: str = "world") -> list:
         handle = self.group(group)
         out = [None] * handle.size
@@ -207,6 +235,26 @@ class CommScheduler:
         self.wait(self.dispatcher.submit(Pending(kind, DEFAULT_CLASS, group, "", 0, issue)))
 
 
+class _WorkInThread:
+    """gloo's point-to-point works have no future: wait for one on a helper thread so the
+    dispatcher (which expects `get_future()`) never blocks on a peer."""
+
+    def __init__(self, work, timeout_s: float):
+        self._future = torch.futures.Future()
+
+        def wait():
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+                self._future.set_result(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the future
+                self._future.set_exception(error)
+
+        threading.Thread(target=wait, name="commfx-p2p", daemon=True).start()
+
+    def get_future(self):
+        return self._future
+
+
 def _row_bytes(x: torch.Tensor) -> int:
     per_row = 1
     for size in x.shape[1:]:
@@ -246,14 +294,21 @@ def build_groups(topology: Topology, rank: int, timeout_s: float | None = None) 
     handles: dict[str, GroupHandle] = {}
     world = list(range(topology.world_size))
     for priority in sorted(PRIORITY_CLASSES, key=lambda n: PRIORITY_CLASSES[n].level):
+        wanted = PRIORITY_CLASSES[priority].groups
+        made: dict[tuple[int, ...], object] = {}  # one c10d group per rank list and class (dp is the world when pp = 1)
         for name, rank_lists in topology.process_groups().items():
+            if wanted and name not in wanted:
+                continue
             for ranks in rank_lists:
                 if ranks == world and len(ranks) > 1 and priority == DEFAULT_CLASS:
                     pg = dist.group.WORLD
+                elif tuple(ranks) in made:
+                    pg = made[tuple(ranks)]
                 elif len(ranks) > 1:
                     pg = dist.new_group(ranks, **bound)  # collective over the world: every rank creates every group
                 else:
                     pg = None
+                made[tuple(ranks)] = pg
                 if rank in ranks:
                     key = group_key(name, priority)
                     handles[key] = GroupHandle(key, pg, ranks, ranks.index(rank))
@@ -279,7 +334,8 @@ def local_scheduler(topology: Topology | None = None) -> CommScheduler:
     groups = {
         group_key(name, priority): GroupHandle(group_key(name, priority), None, [0], 0)
         for priority in PRIORITY_CLASSES
-        for name in ("world", "ep", "edp")
+        for name in Topology(world_size=1).process_groups()
+        if not PRIORITY_CLASSES[priority].groups or name in PRIORITY_CLASSES[priority].groups
     }
     return CommScheduler(topology, 0, groups)
 

@@ -170,7 +170,7 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
     schedule = program.annotations.get("comm_schedule", {})
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
     slots = [
-        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
+        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
     ]
     return GradientSync(
