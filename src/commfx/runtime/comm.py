@@ -26,7 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Topology
+from .hierarchical_a2a import NodeLayout, hierarchical_all_to_all
 from .priority import Dispatcher, Pending
+
+A2A_ALGORITHMS = ("flat", "hierarchical")
 
 
 class CommError(RuntimeError):
@@ -77,7 +80,9 @@ class CommScheduler:
 
     Collectives go through a `Dispatcher` (see `priority.py`): `start_*` queues one and
     returns at once, `wait_tensor` / `wait` block until it is done (bounded by
-    `timeout_s`); the blocking forms are start + wait. `local_only=True` replaces every
+    `timeout_s`); the blocking forms are start + wait. `a2a_algorithm` is "flat" (one
+    all_to_all_single) or "hierarchical" (see `hierarchical_a2a.py`: each remote node gets
+    a row once, forwarded inside the node; same result bit for bit) for groups that span nodes. `local_only=True` replaces every
     collective by a local copy of the same size (the compute-only baseline of `commfx
     bench`); `records`, when a list, receives a CollectiveRecord per collective (to replay
     communication alone).
@@ -92,6 +97,8 @@ class CommScheduler:
         self.local_only = False
         self.records: list[CollectiveRecord] | None = None
         self.dispatcher = Dispatcher()
+        self.a2a_algorithm = "flat"
+        self._count_lock = threading.Lock()  # the dispatcher thread counts hierarchical phases
         self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
 
     def group(self, name: str, priority: str = DEFAULT_CLASS) -> "GroupHandle":
@@ -115,8 +122,11 @@ class CommScheduler:
         handle = self.group(group, priority)
         if len(send_rows) != handle.size or len(recv_rows) != handle.size:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
+        layout = NodeLayout(tuple(self.topology.node_of(r) for r in handle.ranks))
+        hierarchical = self.a2a_algorithm == "hierarchical" and layout.spans_nodes() and not self.local_only
         row_bytes = _row_bytes(x)
-        self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
+        if not hierarchical:  # the hierarchical phases count themselves when they run
+            self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
         if self.records is not None:
             self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype, priority))
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
@@ -129,9 +139,25 @@ class CommScheduler:
             return out
         x = x.contiguous()
         nbytes = sum(send_rows) * row_bytes
+        if hierarchical:
+            self._started[id(out)] = self.dispatcher.submit(
+                Pending("all_to_all", priority, group, tag, nbytes, lambda: self._hierarchical(out, x, send_rows, recv_rows, handle, layout))
+            )
+            return out
         issue = lambda: dist.all_to_all_single(out, x, recv_rows, send_rows, group=handle.pg, async_op=True)  # noqa: E731
         self._started[id(out)] = self.dispatcher.submit(Pending("all_to_all", priority, group, tag, nbytes, issue))
         return out
+
+    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout) -> None:
+        """Run a hierarchical all-to-all to completion on the dispatcher thread, into `out`."""
+
+        def exchange(output, payload, output_splits, input_splits):
+            dist.all_to_all_single(output, payload, output_splits, input_splits, group=handle.pg)
+
+        def count(phase, bytes_to_index):
+            self._count("all_to_all", handle, {handle.ranks[i]: n for i, n in bytes_to_index.items()})
+
+        out.copy_(hierarchical_all_to_all(x, send_rows, recv_rows, handle.rank, layout, exchange, count))
 
     def wait_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Block until the collective that produces `t` is done (no-op if none is pending)."""
@@ -217,13 +243,14 @@ class CommScheduler:
     # -- bookkeeping -------------------------------------------------------------------
 
     def _count(self, kind: str, handle: "GroupHandle", bytes_to_rank: dict[int, int]) -> None:
-        self.stats.calls[kind] += 1
         my_node = self.topology.node_of(self.rank)
-        for peer, nbytes in bytes_to_rank.items():
-            if peer == self.rank:
-                continue
-            same_node = self.topology.node_of(peer) == my_node
-            (self.stats.intra_node_bytes if same_node else self.stats.inter_node_bytes)[kind] += nbytes
+        with self._count_lock:
+            self.stats.calls[kind] += 1
+            for peer, nbytes in bytes_to_rank.items():
+                if peer == self.rank:
+                    continue
+                same_node = self.topology.node_of(peer) == my_node
+                (self.stats.intra_node_bytes if same_node else self.stats.inter_node_bytes)[kind] += nbytes
 
     def _blocking(self, kind: str, group: str, fn) -> None:
         """Run a synchronous collective in the default lane (it shares that lane's groups)."""

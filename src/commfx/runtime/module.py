@@ -164,11 +164,12 @@ def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[tor
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
     """Apply `program`'s comm schedule (`annotations["comm_schedule"]`, set by partition_a2a)
-    to `scheduler` (priority on or off) and return the gradient sync for `named_params`
+    and all-to-all algorithm (`annotations["a2a_algorithm"]`) to `scheduler` (priority on or off) and return the gradient sync for `named_params`
     (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
+    scheduler.a2a_algorithm = program.annotations.get("a2a_algorithm", "flat")  # set by the hierarchical_a2a pass
     slots = [
         Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
