@@ -106,14 +106,22 @@ class CommScheduler:
     # -- collectives -------------------------------------------------------------------
 
     def start_all_to_all(
-        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = ""
+        self,
+        x: torch.Tensor,
+        send_rows: list[int],
+        recv_rows: list[int],
+        group: str,
+        priority: str = DEFAULT_CLASS,
+        tag: str = "",
+        kind: str = "all_to_all",
     ) -> torch.Tensor:
-        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`)."""
+        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`).
+        `kind` is the name its bytes are counted under (e.g. "embedding_all_to_all")."""
         handle = self.group(group, priority)
         if len(send_rows) != handle.size or len(recv_rows) != handle.size:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
         row_bytes = _row_bytes(x)
-        self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
+        self._count(kind, handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
         if self.records is not None:
             self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype, priority))
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
@@ -127,7 +135,7 @@ class CommScheduler:
         x = x.contiguous()
         nbytes = sum(send_rows) * row_bytes
         issue = lambda: dist.all_to_all_single(out, x, recv_rows, send_rows, group=handle.pg, async_op=True)  # noqa: E731
-        self._started[id(out)] = self.dispatcher.submit(Pending("all_to_all", priority, group, tag, nbytes, issue))
+        self._started[id(out)] = self.dispatcher.submit(Pending(kind, priority, group, tag, nbytes, issue))
         return out
 
     def wait_tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -137,8 +145,10 @@ class CommScheduler:
             self.wait(pending)
         return t
 
-    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "") -> torch.Tensor:
-        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag))
+    def all_to_all(
+        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "", kind: str = "all_to_all"
+    ) -> torch.Tensor:
+        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag, kind))
 
     def start_all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS, tag: str = "") -> Pending | None:
         """Queue an in-place sum of `tensor` over `group`; None when there is nothing to wait for."""

@@ -168,9 +168,10 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
     (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
+    reduced_in_graph = set(program.annotations.get("reduced_in_graph", ()))  # e.g. sparse embedding exchange
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
     slots = [
-        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
+        Slot(name, param, None if name in reduced_in_graph else group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
         for name, param in named_params
     ]
     return GradientSync(
