@@ -18,7 +18,7 @@ OPTIMIZERS = {
 STEPS = 3
 
 
-def train_each_strategy(rank: int, world_size: int, rows: int, strategies: list[str]) -> dict:
+def train_each_strategy(rank: int, world_size: int, rows: int, strategies: list[str], backend: bool = False) -> dict:
     """Per strategy: step-0 outputs and gradients, bytes per step by kind, and the
     parameters after STEPS optimizer steps with each optimizer (restored in between)."""
     from embedding_lm import batch, build
@@ -49,7 +49,28 @@ def train_each_strategy(rank: int, world_size: int, rows: int, strategies: list[
                 optimizer.step()
             result[name] = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
         results[strategy] = result
+    if backend:
+        results["backend"] = _through_the_backend(rank, world_size, rows, local)
     return results
+
+
+def _through_the_backend(rank: int, world_size: int, rows: int, local: torch.Tensor) -> dict:
+    """torch.compile(model, backend=commfx.backend(plan)) with auto: row sharding is not
+    available there (the user owns full-size tables), so auto picks sparse or dense."""
+    from embedding_lm import build
+
+    from commfx.backend import backend as commfx_backend
+
+    model, _ = build(rows)
+    model = model.double()
+    be = commfx_backend(Plan.from_cli("lift,split_embedding_comm:strategy=sparse", world_size=world_size))
+    out = torch.compile(model, backend=be, fullgraph=True)(local)
+    (out * split_batch(probes([out], rows, 0)[0], world_size, rank)).sum().backward()
+    return {
+        "output": out.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "decisions": {k: v["strategy"] for k, v in be.programs[0].annotations["embedding_comm"].items()},
+    }
 
 
 def reference(world_size: int, rows: int) -> dict:

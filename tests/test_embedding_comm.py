@@ -71,6 +71,10 @@ def test_lift_reports_a_table_tied_with_the_lm_head():
         check_plan(Plan.from_cli("lift,split_embedding_comm:strategy=sparse;tables=embed", world_size=2), Tied())
     with pytest.raises(PlanError, match="no table to apply to"):
         check_plan(Plan.from_cli("lift,split_embedding_comm:strategy=shard", world_size=2), Tied())
+    with pytest.raises(PlanError, match="strategy=shard needs commfx.distribute"):
+        from commfx.backend import backend
+
+        backend(Plan.from_cli("lift,split_embedding_comm:strategy=shard", world_size=2))
 
 
 def test_hf_tied_embeddings_are_dense_and_untied_ones_are_lifted():
@@ -174,8 +178,10 @@ def test_sparse_and_sharded_tables_equal_dense_data_parallelism(world_size, rows
     from embedding_workers import reference
 
     strategies = ["sparse", "shard"]
+    backend = world_size == 2
     results = launch(
-        "embedding_workers:train_each_strategy", world_size, {"rows": rows, "strategies": strategies}, timeout_s=240, collective_timeout_s=60
+        "embedding_workers:train_each_strategy", world_size, {"rows": rows, "strategies": strategies, "backend": backend},
+        timeout_s=300, collective_timeout_s=60,
     )
     expected = reference(world_size, rows)
     dense_bytes = VOCAB * 8 * 8 * 2 * (world_size - 1) // world_size  # the tok table's all-reduce, float64
@@ -196,3 +202,9 @@ def test_sparse_and_sharded_tables_equal_dense_data_parallelism(world_size, rows
             assert sent["embedding_all_to_all"]["calls"] > 0
             embedding = sent["embedding_all_to_all"]["intra_node_bytes"]
             assert 0 < embedding < dense_bytes, (strategy, embedding, dense_bytes)
+    if backend:  # torch.compile's door: sparse exchange, full-size tables owned by the user
+        assert results[0]["backend"]["decisions"] == {"tok.weight": "sparse", "pos.weight": "sparse", "kind": "sparse"}
+        _assert_close(torch.cat([r["backend"]["output"] for r in results]), expected["output"], "backend outputs")
+        for name, value in expected["grads"].items():
+            for r in results:
+                _assert_close(r["backend"]["grads"][name], value, f"backend grad {name}")

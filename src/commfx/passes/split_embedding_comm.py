@@ -49,6 +49,9 @@ class SplitEmbeddingComm(Pass):
     class Options:
         strategy: str = "auto"  # auto | shard | sparse | dense, for the tables below
         tables: str = ""  # '+'-separated weight names or module paths; empty: every untied table
+        # True where the caller owns full-size tables (the torch.compile backend): nothing
+        # shards them, so row sharding is unavailable and auto picks sparse or dense.
+        shard_in_graph: bool = False
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -58,11 +61,9 @@ class SplitEmbeddingComm(Pass):
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.strategy not in ("auto", *STRATEGIES):
             raise PlanError(f"split_embedding_comm strategy must be auto, {', '.join(STRATEGIES)}; got {options.strategy!r}")
-        if model is None:
-            return
-        tables = model_tables(model)
-        chosen = _selected(tables, options)
-        if options.strategy in ("shard", "sparse"):
+        tables = model_tables(model) if model is not None else {}
+        chosen = _selected(tables, options) if model is not None else set()
+        if options.strategy in ("shard", "sparse") and model is not None:
             for name in chosen:
                 if tables[name]["tied_with"]:
                     raise PlanError(_tied_error(name, tables[name]["tied_with"], options.strategy))
@@ -74,6 +75,13 @@ class SplitEmbeddingComm(Pass):
                     f"{tied or 'the model has no embedding table'}. A tied table's gradient is dense (the LM head "
                     "touches every row); untie the head or use strategy=dense"
                 )
+        if options.strategy == "shard" and options.shard_in_graph:
+            raise PlanError(
+                "split_embedding_comm strategy=shard needs commfx.distribute (it holds one shard of each table per rank); "
+                "under torch.compile's commfx backend use strategy=sparse or auto"
+            )
+        if model is None:
+            return
         if options.strategy == "shard":
             parts = plan.topology.expert_parallel_size
             for name in chosen:
@@ -99,6 +107,8 @@ class SplitEmbeddingComm(Pass):
                 continue
             weight = program.gm.get_parameter(table["weight"])
             estimates = estimate(table["num_rows"], table["dim"], weight.element_size(), tokens, plan.topology, parts)
+            if options.shard_in_graph:
+                estimates["shard"] = dataclasses.replace(estimates["shard"], applicable=False, why_not="the caller owns full-size tables")
             pick, reason = _decide(table, estimates, options, table["weight"] in chosen or table["path"] in chosen)
             decisions[table["weight"]] = {"strategy": pick, "reason": reason, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
             purpose = f"{table['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
