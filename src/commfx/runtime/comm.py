@@ -116,9 +116,17 @@ class CommScheduler:
     # -- collectives -------------------------------------------------------------------
 
     def start_all_to_all(
-        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = ""
+        self,
+        x: torch.Tensor,
+        send_rows: list[int],
+        recv_rows: list[int],
+        group: str,
+        priority: str = DEFAULT_CLASS,
+        tag: str = "",
+        kind: str = "all_to_all",
     ) -> torch.Tensor:
-        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`)."""
+        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`).
+        `kind` is the name its bytes are counted under (e.g. "embedding_all_to_all")."""
         handle = self.group(group, priority)
         if len(send_rows) != handle.size or len(recv_rows) != handle.size:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
@@ -126,7 +134,7 @@ class CommScheduler:
         hierarchical = self.a2a_algorithm == "hierarchical" and layout.spans_nodes() and not self.local_only
         row_bytes = _row_bytes(x)
         if not hierarchical:  # the hierarchical phases count themselves when they run
-            self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
+            self._count(kind, handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
         if self.records is not None:
             self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype, priority))
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
@@ -141,21 +149,21 @@ class CommScheduler:
         nbytes = sum(send_rows) * row_bytes
         if hierarchical:
             self._started[id(out)] = self.dispatcher.submit(
-                Pending("all_to_all", priority, group, tag, nbytes, lambda: self._hierarchical(out, x, send_rows, recv_rows, handle, layout))
+                Pending(kind, priority, group, tag, nbytes, lambda: self._hierarchical(out, x, send_rows, recv_rows, handle, layout, kind))
             )
             return out
         issue = lambda: dist.all_to_all_single(out, x, recv_rows, send_rows, group=handle.pg, async_op=True)  # noqa: E731
-        self._started[id(out)] = self.dispatcher.submit(Pending("all_to_all", priority, group, tag, nbytes, issue))
+        self._started[id(out)] = self.dispatcher.submit(Pending(kind, priority, group, tag, nbytes, issue))
         return out
 
-    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout) -> None:
+    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout, kind: str) -> None:
         """Run a hierarchical all-to-all to completion on the dispatcher thread, into `out`."""
 
         def exchange(output, payload, output_splits, input_splits):
             dist.all_to_all_single(output, payload, output_splits, input_splits, group=handle.pg)
 
         def count(phase, bytes_to_index):
-            self._count("all_to_all", handle, {handle.ranks[i]: n for i, n in bytes_to_index.items()})
+            self._count(kind, handle, {handle.ranks[i]: n for i, n in bytes_to_index.items()})
 
         out.copy_(hierarchical_all_to_all(x, send_rows, recv_rows, handle.rank, layout, exchange, count))
 
@@ -166,8 +174,10 @@ class CommScheduler:
             self.wait(pending)
         return t
 
-    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "") -> torch.Tensor:
-        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag))
+    def all_to_all(
+        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "", kind: str = "all_to_all"
+    ) -> torch.Tensor:
+        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag, kind))
 
     def start_all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS, tag: str = "") -> Pending | None:
         """Queue an in-place sum of `tensor` over `group`; None when there is nothing to wait for."""

@@ -168,10 +168,11 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
     (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
+    reduced_in_graph = set(program.annotations.get("reduced_in_graph", ()))  # e.g. sparse embedding exchange
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
     scheduler.a2a_algorithm = program.annotations.get("a2a_algorithm", "flat")  # set by the hierarchical_a2a pass
     slots = [
-        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
+        Slot(name, param, None if name in reduced_in_graph else group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
     ]
     return GradientSync(
