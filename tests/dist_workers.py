@@ -301,3 +301,19 @@ def tp_against_dtensor(rank: int, world_size: int, spec: str) -> dict:
         "shapes_equal": all(ours[n].shape == theirs[n].shape for n in ours),
     }
 
+
+def hangs_between_steps(rank: int, world_size: int, hanging_rank: int) -> str:
+    """User code that hangs on one rank after distribute, between two steps: the others wait in
+    the first collective of the next step."""
+    import dataclasses
+    import time
+
+    model, (ids,) = load_model("gpt-moe-tiny")
+    plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=world_size), collective_timeout_s=4.0)
+    local = split_batch(ids, world_size, rank)
+    dm = distribute(model, plan, (local,))
+    for step in range(2):
+        if step == 1 and rank == hanging_rank:
+            time.sleep(3600)  # a user's evaluation callback that never returns, say
+        dm(local).sum().backward()
+    return "finished"

@@ -123,7 +123,7 @@ def test_tp_needs_the_pass_and_must_divide_the_world():
 def test_rank_order_is_tp_fastest_then_dp():
     topology = Topology(world_size=8, tp=2, ep=2)
     groups = topology.process_groups()
-    assert list(groups) == ["world", "ep", "edp", "tp", "dp"]
+    assert list(groups) == ["world", "ep", "edp", "tp", "pp", "dp"]
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert [topology.dp_index(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -103,16 +103,18 @@ def split_batch(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tenso
     return torch.tensor_split(tensor, world_size, dim=0)[rank]
 
 
+def data_share(plan: Plan, rank: int) -> tuple[int, int]:
+    """(parts, index): the batch is cut over data-parallel replicas; the stages of one
+    pipeline share their replica's part (with no pipeline, every rank is a replica)."""
+    topology = plan.topology
+    return topology.dp, topology.coordinates(rank)[1]
+
+
 def local_batch(inputs, world_size: int, rank: int):
     """This rank's share of a global batch (a tuple of tensors or a dict of keyword tensors)."""
     if isinstance(inputs, dict):
         return {k: split_batch(t, world_size, rank) for k, t in inputs.items()}
     return tuple(split_batch(t, world_size, rank) for t in inputs)
-
-
-def rank_batch(inputs, topology, rank: int):
-    """The rows `rank` reads: the ranks of one tensor-parallel group read the same share."""
-    return local_batch(inputs, topology.dp, topology.dp_index(rank))
 
 
 def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
@@ -121,7 +123,8 @@ def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
     any rank is spawned, with the message and no traceback."""
     from .compiler.pipeline import compile_program
 
-    compile_program(model, plan, rank_batch(global_inputs, plan.topology, 0))
+    plan.validate()  # the topology first: the batch is cut by it
+    compile_program(model, plan, local_batch(global_inputs, *data_share(plan, 0)))
 
 
 def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:
@@ -134,19 +137,20 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
     from torch.utils import _pytree as pytree
 
     from .api import distribute
+    from .runtime.pipeline.module import PipelineModule
 
     results = []
     for case in cases:
         model, inputs = build_case_model(case)
-        topology = case.plan.topology
-        local = rank_batch(inputs, topology, rank)
+        parts, part = data_share(case.plan, rank)
+        local = tuple(split_batch(t, parts, part) for t in inputs)
         dm = distribute(model, case.plan, local)
-        outputs, _ = pytree.tree_flatten(dm(*local))
         global_rows = inputs[0].shape[0]
-        loss = sum(
-            (o * split_batch(p, topology.dp, topology.dp_index(rank))).sum()
-            for o, p in zip(outputs, probes(outputs, global_rows, case.seed))
-        )
+        if isinstance(dm, PipelineModule):
+            results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed))
+            continue
+        outputs, _ = pytree.tree_flatten(dm(*local))
+        loss = sum((o * split_batch(p, parts, part)).sum() for o, p in zip(outputs, probes(outputs, global_rows, case.seed)))
         loss.backward()
         results.append(
             {
@@ -157,6 +161,28 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
             }
         )
     return results
+
+
+def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: int) -> dict:
+    """The same probe loss, per micro-batch on the last stage (summed, not averaged over
+    micro-batches, so the gradients are the reference's)."""
+    from torch.utils import _pytree as pytree
+
+    def loss_fn(outputs, microbatch):
+        flat = pytree.tree_flatten(outputs)[0]
+        mine = [split_batch(p, parts, part)[microbatch.rows] for p in probes(flat, global_rows, seed)]
+        return sum((o * p).sum() for o, p in zip(flat, mine))
+
+    result = dm.step(*local, loss_fn=loss_fn, scale_grads=False)
+    per_mb = [pytree.tree_flatten(o)[0] for o in result.outputs]
+    outputs = [torch.cat([mb[i] for mb in per_mb]) for i in range(len(per_mb[0]))] if per_mb else []
+    return {
+        "outputs": outputs,
+        "has_outputs": dm.is_last,
+        "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+        "placement": dm.placement,
+        "tokens": int(local[0].numel()),
+    }
 
 
 def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -224,32 +250,32 @@ def compare(case: VerifyCase, rank_results: list[dict], world_size: int, toleran
     ref_outputs, ref_grads = reference(case, world_size)
     topology = case.plan.topology
     tp = topology.tp
+    with_outputs = [r for r in rank_results if r.get("has_outputs", True)]  # a pipeline's last stages
     # One rank per data shard gives the global output; the others of its tp group must agree.
-    outputs = [torch.cat([rank_results[d * tp]["outputs"][i] for d in range(topology.dp)]) for i in range(len(ref_outputs))]
+    outputs = [torch.cat([r["outputs"][i] for r in with_outputs[::tp]]) for i in range(len(ref_outputs))]
     output_diff = max((o - r).abs().max().item() for o, r in zip(outputs, ref_outputs))
-    for rank, result in enumerate(rank_results):
-        lead = rank_results[rank // tp * tp]
+    for i, result in enumerate(with_outputs):
+        lead = with_outputs[i // tp * tp]
         output_diff = max([output_diff] + [(a - b).abs().max().item() for a, b in zip(result["outputs"], lead["outputs"])])
     ep = topology.expert_parallel_size
     grad_diffs, replica_diff = {}, 0.0
     for name, ref in ref_grads.items():
-        placement = rank_results[0]["placement"].get(name)
+        holders = [r for r in rank_results if name in r["grads"]]  # every rank, or one stage's ranks
+        if not holders:
+            continue
+        placement = holders[0]["placement"].get(name)
         if isinstance(placement, dict):  # tensor-parallel shard: assemble each tp group's parts
-            def group_full(start):
-                ranks = range(start, start + tp)
-                return assemble([rank_results[r]["grads"][name] for r in ranks], [rank_results[r]["placement"][name] for r in ranks])
-
-            full = group_full(0)
-            replicas = [group_full(b) for b in range(0, world_size, tp)]
+            groups = [holders[b : b + tp] for b in range(0, len(holders), tp)]
+            replicas = [assemble([r["grads"][name] for r in g], [r["placement"][name] for r in g]) for g in groups]
         elif placement is not None:
-            full = torch.cat([rank_results[r]["grads"][name] for r in range(ep)])
-            replicas = [torch.cat([rank_results[b + r]["grads"][name] for r in range(ep)]) for b in range(0, world_size, ep)]
+            blocks = [holders[b : b + ep] for b in range(0, len(holders), ep)]
+            replicas = [torch.cat([r["grads"][name] for r in block]) for block in blocks]
         else:
-            full = rank_results[0]["grads"][name]
-            replicas = [r["grads"][name] for r in rank_results]
+            replicas = [r["grads"][name] for r in holders]
+        full = replicas[0]
         grad_diffs[name] = (full - ref).abs().max().item()
         replica_diff = max([replica_diff] + [(x - full).abs().max().item() for x in replicas])
-    missing = set(rank_results[0]["grads"]) ^ set(ref_grads)
+    missing = set().union(*(r["grads"] for r in rank_results)) ^ set(ref_grads)
     if missing:
         raise AssertionError(f"gradients present on one side only: {sorted(missing)}")
     return VerifyReport(

@@ -29,11 +29,13 @@ from .priority import Pending
 
 @dataclass
 class Slot:
-    """One gradient the backward graph returns: its parameter and the group that reduces it."""
+    """One gradient the backward graph returns: its parameter and the group that reduces it.
+    `group=None`: the graph reduced it already (a pass exchanged it, e.g. sparse embedding
+    rows); the sync passes it through untouched."""
 
     name: str
     param: torch.Tensor
-    group: str
+    group: str | None
 
 
 @dataclass
@@ -131,7 +133,7 @@ def _make_buckets(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
     sizes: list[int] = []
     for index in reversed(range(len(slots))):
         slot = slots[index]
-        if not slot.param.requires_grad:
+        if not slot.param.requires_grad or slot.group is None:
             continue
         nbytes = slot.param.numel() * slot.param.element_size()
         last = buckets[-1] if buckets else None

@@ -164,16 +164,15 @@ def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[tor
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
     """Apply `program`'s comm schedule (`annotations["comm_schedule"]`, set by partition_a2a)
-    to `scheduler` (priority on or off) and return the gradient sync for `named_params`
+    and all-to-all algorithm (`annotations["a2a_algorithm"]`) to `scheduler` (priority on or off) and return the gradient sync for `named_params`
     (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
+    reduced_in_graph = set(program.annotations.get("reduced_in_graph", ()))  # e.g. sparse embedding exchange
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
-    # Replicated gradients are summed over the ranks that read other rows: the whole world,
-    # or once tensor parallelism is on, the dp group (a tp group's ranks hold equal copies).
-    replicated = "dp" if plan.topology.tp > 1 else "world"
+    scheduler.a2a_algorithm = program.annotations.get("a2a_algorithm", "flat")  # set by the hierarchical_a2a pass
     slots = [
-        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else replicated))
+        Slot(name, param, None if name in reduced_in_graph else group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
     ]
     scales = {slot.group: plan.grad_scale_for(slot.group) for slot in slots}
