@@ -38,6 +38,7 @@ from commfx.bench.cluster import (
 
 CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
+pytestmark = pytest.mark.xdist_group("cluster")  # one worker builds namespaces at a time
 
 
 
