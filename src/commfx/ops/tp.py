@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.comm import current_scheduler
+from ..runtime.resize import linear_backward, linear_forward
 
 
 def shard_index(layout: tuple[int, int, int] | list[int], part: int, parts: int) -> torch.Tensor:
@@ -69,3 +70,49 @@ tp_copy.register_autograd(
     lambda ctx, grad: (all_reduce(grad, ctx.group, "input gradient"), None), setup_context=_tp_copy_setup
 )
 
+
+
+# ------------------------------------------------------------------ resizable tp linears
+
+
+@torch.library.custom_op("commfx::tp_linear", mutates_args=())
+def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str, group: str) -> torch.Tensor:
+    """A column- or row-parallel linear whose contraction width is runtime state (`resize_tp`):
+    all columns (plain tp), a kept subset (ZERO-resizing) or some computed by a faster rank of
+    `group` (migration). The output has the plain linear's shape on every rank either way."""
+    return linear_forward(x, weight, bias, key, group)
+
+
+@tp_linear.register_fake
+def _(x, weight, bias, key, group):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("commfx::tp_linear_backward", mutates_args=())
+def tp_linear_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, key: str, group: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `tp_linear` under the same runtime plan: dropped columns imputed zero, so
+    the input gradient keeps its shape (the tp all-reduce that follows sees the same tensor on
+    every rank); the bias gradient is empty when there is no bias."""
+    return linear_backward(grad, x, weight, has_bias, key, group)
+
+
+@tp_linear_backward.register_fake
+def _(grad, x, weight, has_bias, key, group):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty((weight.shape[0],) if has_bias else (0,))
+
+
+def _tp_linear_setup(ctx, inputs, output):
+    x, weight, bias, key, group = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias, ctx.key, ctx.group = bias is not None, key, group
+
+
+def _tp_linear_grad(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw, gb = tp_linear_backward(grad, x, weight, ctx.has_bias, ctx.key, ctx.group)
+    return gx, gw, gb if ctx.has_bias else None, None, None
+
+
+tp_linear.register_autograd(_tp_linear_grad, setup_context=_tp_linear_setup)

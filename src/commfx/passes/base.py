@@ -86,7 +86,7 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
     if plan.topology.tp > 1 and "tensor_parallel" not in plan.pass_names():
         raise PlanError(
             f"tensor-parallel size {plan.topology.tp} needs the tensor_parallel pass, e.g. "
-            f"--passes {','.join(['lift', *[n for n in plan.pass_names() if n != 'lift'], 'tensor_parallel'])}"
+            f"--passes {_in_order((PassSpec('lift'), *[s for s in plan.passes if s.name != 'lift'], PassSpec('tensor_parallel')))}"
         )
     if plan.topology.tp > 1 and plan.topology.pp > 1:
         raise PlanError(

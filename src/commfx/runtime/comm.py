@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from collections import defaultdict
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -100,6 +101,9 @@ class CommScheduler:
         self.a2a_algorithm = "flat"
         self._count_lock = threading.Lock()  # the dispatcher thread counts hierarchical phases
         self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
+        self.op_state: dict = {}  # state an op reads when it runs, keyed by op id (e.g. resizable tp linears)
+        self.blocked_s = 0.0  # seconds this rank has spent waiting on communication (compute = wall - blocked)
+        self.slowdown = 1.0  # > 1: the executor stretches each compute node (a straggler, for `commfx bench --slow-rank`)
 
     def group(self, name: str, priority: str = DEFAULT_CLASS) -> "GroupHandle":
         key = group_key(name, priority)
@@ -239,7 +243,10 @@ class CommScheduler:
         """Block until `pending` is done; a failure or a timeout raises CommError."""
         if pending is None:
             return
-        if not pending.done.wait(self.timeout_s):
+        start = time.perf_counter()
+        finished = pending.done.wait(self.timeout_s)
+        self.blocked_s += time.perf_counter() - start
+        if not finished:
             raise CommError(
                 f"{pending.kind} on group {pending.group!r} ({pending.priority}) did not finish within "
                 f"{self.timeout_s:.0f}s on rank {self.rank}. Another rank probably died or is stuck; check its log."

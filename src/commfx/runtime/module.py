@@ -23,6 +23,7 @@ from ..plan import Plan
 from .comm import CommScheduler, install_default
 from .executor import BackwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
+from .semi import make_controller
 from .trace import Timeline
 
 
@@ -60,6 +61,9 @@ class DistributedModule(torch.nn.Module):
         install_default(scheduler)
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
+        # resize_tp: shard widths as runtime state, set each window by the SEMI controller
+        resize = program.annotations.get("tp_resize")
+        self.straggler = make_controller(self.module, resize, scheduler, plan.topology, plan.topology.tp_index(scheduler.rank)) if resize else None
         # One lowering per input signature. The captured graph is symbolic in batch and (where
         # the model allows) sequence length and the same on every rank, so a rank lowers a new
         # shape on its own: its collectives are the graph's, in the graph's order, whatever
@@ -89,6 +93,8 @@ class DistributedModule(torch.nn.Module):
         return pytree.tree_map(empty, out)
 
     def _run(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        if self.straggler is not None and torch.is_grad_enabled():
+            self.straggler.begin_step()
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
@@ -114,7 +120,13 @@ class DistributedModule(torch.nn.Module):
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline).run(*args)
 
         def backward(gm):
-            return lambda *args: BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
+            def run(*args):
+                grads = BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
+                if self.straggler is not None:
+                    self.straggler.end_step()  # the step is over on this rank: time it, maybe resize
+                return grads
+
+            return run
 
         return self._compile_training(self.module, inputs, forward=forward, backward=backward)
 
@@ -123,7 +135,10 @@ class DistributedModule(torch.nn.Module):
         return self.scheduler.stats
 
     def get_extra_state(self) -> dict:
-        return {"placement": self.placement, "world_size": self.plan.topology.world_size}
+        state = {"placement": self.placement, "world_size": self.plan.topology.world_size}
+        if self.straggler is not None:
+            state["resize_tp"] = self.straggler.state_dict()
+        return state
 
     def set_extra_state(self, state: dict) -> None:
         if state.get("placement") != self.placement:
@@ -132,6 +147,8 @@ class DistributedModule(torch.nn.Module):
                 f"({state.get('placement')}) than this rank ({self.placement}); load it on the rank "
                 "that saved it, with the same world size and ep"
             )
+        if self.straggler is not None and "resize_tp" in state:
+            self.straggler.load_state_dict(state["resize_tp"])
 
 
 def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
