@@ -17,12 +17,12 @@ sparse plan's, which all-reduces no table; for the dense plan this equals the ri
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import sys
 from pathlib import Path
 
 import torch
+
+from embrace_models import corpus_ids
 
 VOCAB, HIDDEN, SEQ, ROWS_PER_RANK = 50_000, 64, 64, 8
 PLANS = {
@@ -31,15 +31,6 @@ PLANS = {
     "row-sharded (a)": "lift,expert_parallel,split_embedding_comm:strategy=shard",
     "auto": "lift,expert_parallel,split_embedding_comm",
 }
-
-
-def corpus_ids() -> torch.Tensor:
-    import pydoc_data.topics
-
-    words = re.findall(r"\w+|[^\w\s]", " ".join(pydoc_data.topics.topics.values()).lower())
-    ranked = [w for w, _ in collections.Counter(words).most_common(VOCAB - 1)]
-    index = {w: i for i, w in enumerate(ranked)}
-    return torch.tensor([index.get(w, VOCAB - 1) for w in words])
 
 
 def batches(world_size: int, steps: int, seed: int = 0) -> list[torch.Tensor]:

@@ -48,6 +48,14 @@ def train_each_strategy(rank: int, world_size: int, rows: int, strategies: list[
                     result["bytes"] = dm.scheduler.stats.as_dict()
                 optimizer.step()
             result[name] = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+        # commfx bench's compute-only step: every collective a local copy, so no id reaches its owner.
+        dm.scheduler.local_only = True
+        try:
+            out = dm(local)
+            out.sum().backward()
+            result["compute_only_shape"] = tuple(out.shape)
+        finally:
+            dm.scheduler.local_only = False
         results[strategy] = result
     if backend:
         results["backend"] = _through_the_backend(rank, world_size, rows, local)

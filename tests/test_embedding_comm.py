@@ -198,6 +198,7 @@ def test_sparse_and_sharded_tables_equal_dense_data_parallelism(world_size, rows
             for name, value in reference_values.items():
                 _assert_close(_full(results, strategy, key, name, placement), value, f"{strategy} {key} {name}")
         for r in results:
+            assert r[strategy]["compute_only_shape"] == tuple(r[strategy]["output"].shape)
             sent = r[strategy]["bytes"]
             assert sent["embedding_all_to_all"]["calls"] > 0
             embedding = sent["embedding_all_to_all"]["intra_node_bytes"]

@@ -200,8 +200,15 @@ embedding_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 @torch.library.custom_op("commfx::local_rows", mutates_args=())
 def local_rows(ids: torch.Tensor, rows_per_part: int, group: str) -> torch.Tensor:
-    """Global row ids this rank owns -> row numbers in its shard (offset read at run time)."""
-    return ids - current_scheduler().group(group).rank * rows_per_part
+    """Global row ids this rank owns -> row numbers in its shard (offset read at run time).
+
+    In compute-only mode (`commfx bench`: every collective a local copy) no ids really
+    reached their owner, so the rank's own ids are folded into its shard: a lookup of the
+    same size, whatever rows it reads."""
+    scheduler = current_scheduler()
+    if scheduler.local_only:
+        return ids.remainder(rows_per_part)
+    return ids - scheduler.group(group).rank * rows_per_part
 
 
 @local_rows.register_fake
