@@ -22,11 +22,13 @@ demo: install
 	mkdir -p out
 	$(VENV)/bin/commfx run gpt-moe --passes lift,expert_parallel --world-size 4 --steps 5 --dump out/graph.txt --json out/demo.json
 
+# Tests run on two pytest-xdist workers (2 cores: one process compiles while another waits on
+# its ranks); tests that build emulated clusters share one worker (xdist_group "cluster").
 # The layout's import rules (pyproject.toml, [tool.importlinter]) first: a broken rule
 # fails with the import chain named, before the (longer) test run.
 test: install system-deps
 	PYTHONPATH=src $(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) out

@@ -28,4 +28,14 @@ timeout 2400 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucke
   --also "priority=lift,expert_parallel,partition_a2a:k=1" \
   --nodes 2 --ranks-per-node 2 --inter-node 100mbit --steps 8 --warmup 2 \
   --json "$OUT/lina_100mbit.json" --trace "$OUT/lina_traces" | tee "$OUT/lina_100mbit.txt"
+# 4b. EmbRace: dense all-reduce vs split_embedding_comm (auto, sparse, shard), untied 50k vocabulary,
+# word ids of pydoc_data.topics, 2 nodes x 1 rank at 100 Mbit/s; the built-in model and HF OLMoE
+for model in gpt_moe_words olmoe_words; do
+  timeout 1500 "$COMMFX" bench "benchmarks/embrace_models.py:$model" \
+    --passes lift,expert_parallel,split_embedding_comm --vs lift,expert_parallel \
+    --also "sparse=lift,expert_parallel,split_embedding_comm:strategy=sparse" \
+    --also "shard=lift,expert_parallel,split_embedding_comm:strategy=shard" \
+    --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 10 --warmup 2 --timeout 1400 \
+    --json "$OUT/embrace_${model}_100mbit.json" | tee "$OUT/embrace_${model}_100mbit.txt"
+done
 echo "results in $OUT"

@@ -254,3 +254,66 @@ def dispatch_rows(rank: int, world_size: int, passes: str) -> dict:
     token_rows = [r for r in dm.scheduler.records if r.kind == "all_to_all" and r.row_shape == (model.config.hidden_size,)]
     dispatches = token_rows[0::2]  # each MoE layer: the dispatch, then the combine
     return {"tokens": local.numel(), "dispatch_rows": sum(sum(r.send_rows) for r in dispatches), "unique_token_rank_pairs": unique}
+
+
+def tp_against_dtensor(rank: int, world_size: int, spec: str) -> dict:
+    """The same HF model split by commfx's tensor_parallel pass and by torch's own
+    ColwiseParallel/RowwiseParallel (DTensor, parallelize_module on a gloo DeviceMesh):
+    outputs and this rank's gradient shards, side by side."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from commfx.models.hf import training_forward
+
+    model, (ids,) = load_model(spec, dtype=torch.float64)
+    plan = Plan.from_cli("lift,tensor_parallel", world_size=world_size, tp=world_size)
+    dm = distribute(model, plan, (ids,))
+    out = dm(ids).logits
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * probe).sum().backward()
+    ours = {n: p.grad.detach().clone() for n, p in dm.module.named_parameters()}
+
+    reference, _ = load_model(spec, dtype=torch.float64)
+    mesh = init_device_mesh("cpu", (world_size,))
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in reference.model.layers:
+        parallelize_module(layer, mesh, layer_plan)
+    with training_forward(reference):
+        theirs_out = reference(ids).logits
+    (theirs_out * probe).sum().backward()
+    theirs = {}
+    for name, p in reference.named_parameters():
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        theirs[name] = grad.detach().clone()
+    return {
+        "output_diff": (out - theirs_out).abs().max().item(),
+        "grad_diffs": {n: (ours[n] - theirs[n]).abs().max().item() for n in ours},
+        "sharded": sorted(n for n, p in dm.module.named_parameters() if isinstance(dm.placement.get(n), dict)),
+        "shapes_equal": all(ours[n].shape == theirs[n].shape for n in ours),
+    }
+
+
+def hangs_between_steps(rank: int, world_size: int, hanging_rank: int) -> str:
+    """User code that hangs on one rank after distribute, between two steps: the others wait in
+    the first collective of the next step."""
+    import dataclasses
+    import time
+
+    model, (ids,) = load_model("gpt-moe-tiny")
+    plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=world_size), collective_timeout_s=4.0)
+    local = split_batch(ids, world_size, rank)
+    dm = distribute(model, plan, (local,))
+    for step in range(2):
+        if step == 1 and rank == hanging_rank:
+            time.sleep(3600)  # a user's evaluation callback that never returns, say
+        dm(local).sum().backward()
+    return "finished"

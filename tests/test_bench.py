@@ -23,7 +23,7 @@ from commfx.models import load_model
 from commfx.ops.moe import expert_capacity
 from commfx.bench.cluster import namespace_problem, list_run_namespaces
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]  # one worker builds namespaces at a time
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPACITY = 1.0

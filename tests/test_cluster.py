@@ -38,6 +38,7 @@ from commfx.bench.cluster import (
 
 CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
+pytestmark = pytest.mark.xdist_group("cluster")  # one worker builds namespaces at a time
 
 
 
@@ -175,13 +176,20 @@ def test_cleanup_normal_exit(netns):
 
 
 def test_cleanup_after_exception(netns):
-    with pytest.raises(RuntimeError, match="boom"):
-        with EmulatedCluster(3, 1, LinkSpec("50mbit", "2ms"), allow_fallback=False) as c:
-            tag, ifp = c.tag, c._ifp
-            assert len([n for n in _sh(["ip", "netns", "list"]).split() if n.startswith(tag)]) == 4
-            raise RuntimeError("boom")
-    assert _leftovers(tag, ifp) == []
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    # pytest-xdist workers start with SIGINT ignored (then the cluster installs nothing):
+    # give this process Python's own handler so restoring it is what is tested.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            with EmulatedCluster(3, 1, LinkSpec("50mbit", "2ms"), allow_fallback=False) as c:
+                tag, ifp = c.tag, c._ifp
+                assert len([n for n in _sh(["ip", "netns", "list"]).split() if n.startswith(tag)]) == 4
+                assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # cleanup handler in
+                raise RuntimeError("boom")
+        assert _leftovers(tag, ifp) == []
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 _CHILD = r"""

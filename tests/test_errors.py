@@ -41,6 +41,8 @@ def no_launch(monkeypatch):
         (["run", "gpt-moe-tiny", "--world-size", "0"], "argument --world-size: must be a positive integer, got 0"),
         (["verify", "gpt-moe-tiny", "--tolerance", "-1"], "argument --tolerance: must be a non-negative number"),
         (["bench", "gpt-moe-tiny", "--nodes", "0"], "argument --nodes: must be a positive integer, got 0"),
+        (["bench", "gpt-moe-tiny", "--timeout", "-5"], "argument --timeout: must be a positive number, got -5"),
+        (["run", "gpt-moe-tiny", "--collective-timeout", "inf"], "argument --collective-timeout: must be a positive number, got inf"),
     ],
 )
 def test_numeric_arguments_are_validated(capsys, argv, message):
@@ -78,6 +80,15 @@ def test_error_text_is_printed_literally(capsys, monkeypatch):
     monkeypatch.setattr(cli, "cmd_passes", fails)
     assert main(["passes"]) == 2
     assert text in capsys.readouterr().out.replace("\n", "")
+
+
+def test_paths_and_pass_lists_are_printed_literally(capsys, tmp_path):
+    """`[run1]` in a path is not a rich style tag (it used to vanish: 'out//graph.txt')."""
+    output = tmp_path / "[run1]" / "graph.txt"
+    output.parent.mkdir()
+    assert main(["dump", "gpt-moe-tiny", "--world-size", "2", "-o", str(output)]) == 0
+    assert f"to {output}" in capsys.readouterr().out.replace("\n", "")
+    assert output.exists()
 
 
 @pytest.mark.distributed
@@ -152,20 +163,47 @@ def test_model_file_may_return_keyword_inputs(capsys, model_file):
     [
         ("lift,partition_a2a", "--passes lift,expert_parallel,partition_a2a"),
         ("partition_a2a", "--passes lift,expert_parallel,partition_a2a"),
-        ("lift,expert_parallel,partition_a2a:k=2,grad_chunk_bytes=4096", "Options of one pass are separated by ';'"),
+        ("lift,partition_a2a:k=2", "--passes lift,expert_parallel,partition_a2a:k=2"),
+        (
+            "partition_a2a,expert_parallel,lift",
+            "needs lift, expert_parallel before it (the list has lift, expert_parallel after it); "
+            "for example --passes lift,expert_parallel,partition_a2a",
+        ),
+        (
+            "lift,expert_parallel,partition_a2a:k=2,grad_chunk_bytes=4096",
+            "'grad_chunk_bytes=4096' is not a pass: it looks like an option. Options of one pass are separated by ';' "
+            "and passes by ',': --passes \"lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=4096\"",
+        ),
+        ("lift,expert_parallel:capacity_factor=1.25,k=2", '--passes "lift,expert_parallel:capacity_factor=1.25;k=2"'),
+        ("lift,expert_parallel,partition_a2a:k=2:priority=true", "write 'partition_a2a:k=2;priority=true' instead"),
+        ("lift;expert_parallel", "unknown pass 'lift;expert_parallel': passes are separated by ',' (--passes lift,expert_parallel)"),
+        ("lift,expert-parallel", "unknown pass 'expert-parallel' (did you mean 'expert_parallel'?)"),
     ],
 )
-def test_pass_list_hints_keep_the_users_passes(capsys, passes, message):
-    assert main(["dump", "gpt-moe-tiny", "--passes", passes]) == 2
-    assert message in capsys.readouterr().out.replace("\n", " ")
+def test_pass_list_hints_keep_the_users_passes(capsys, no_launch, passes, message):
+    assert main(["run", "gpt-moe-tiny", "--world-size", "2", "--passes", passes]) == 2
+    out = capsys.readouterr().out
+    assert message in out.replace("\n", "") and out.count("error:") == 1, out
 
 
 @pytest.mark.distributed
-def test_a_rank_hung_before_distribute_is_named_with_its_stack():
-    """Rank 1 hangs in user code; rank 0 waits at distribute's rendezvous, which is bounded by
-    Plan.collective_timeout_s (4 s here) and names rank 1; the launcher stops rank 1 and shows
-    where it was."""
-    message = launch_error("hangs_before_distribute", hanging_rank=1)
-    assert message.startswith("rank 0 failed (its code raised)"), message
-    assert "rank(s) 1 did not reach commfx's rendezvous" in message
-    assert "rank 1, stopped by the launcher, was at" in message and "in hangs_before_distribute" in message
+@pytest.mark.parametrize(
+    "worker, waited_in",
+    [
+        ("hangs_before_distribute", "rank(s) 1 did not reach commfx's rendezvous"),
+        ("hangs_between_steps", "all_to_all on group 'ep' (a2a) did not finish within 4s on rank 0"),
+    ],
+)
+def test_a_hung_rank_is_named_first_with_its_stack(worker, waited_in):
+    """Rank 1 hangs in user code, before distribute or between two steps; rank 0 waits at the
+    rendezvous or in a collective, bounded by Plan.collective_timeout_s (4 s here). The
+    headline names rank 1, not rank 0 whose wait timed out; the launcher stops rank 1 and
+    shows where it was, then rank 0's error."""
+    message = launch_error(worker, hanging_rank=1)
+    assert message.startswith(
+        "rank 1 did not arrive: rank 0 waited for it in a collective until the time bound "
+        "(Plan.collective_timeout_s, --collective-timeout); the launcher then stopped rank 1, still running."
+    ), message
+    stack, waited = message.split("--- rank 1, stopped by the launcher, was at ---")[1].split("--- rank 0, which waited ---")
+    assert f"in {worker}" in stack
+    assert waited_in in waited and "Original traceback" not in waited

@@ -65,3 +65,10 @@ def test_readme_python_blocks_are_quoted_from_the_examples():
             assert line in source, f"README line not in examples/{named[-1]}: {line!r}"
             checked += 1
     assert checked >= 10
+
+
+@pytest.mark.distributed
+def test_torchrun_pipeline_script_with_compression():
+    out = torchrun("train_pipeline.py", "--steps", "3", "--passes", "lift,pipeline_split:microbatches=4,compress_pipeline:rank=4")
+    values = losses(out)
+    assert len(values) == 3 and values[-1] < values[0], out

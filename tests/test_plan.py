@@ -58,4 +58,32 @@ def test_expert_parallel_on_model_without_moe():
 
 def test_process_groups_of_a_topology():
     groups = Topology(world_size=4, ep=2).process_groups()
-    assert groups == {"world": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}
+    assert groups == {
+        "world": [[0, 1, 2, 3]],
+        "ep": [[0, 1], [2, 3]],
+        "edp": [[0, 2], [1, 3]],
+        "tp": [[0], [1], [2], [3]],
+        "pp": [[0], [1], [2], [3]],
+        "dp": [[0, 1, 2, 3]],
+    }
+
+
+def test_process_groups_with_a_pipeline():
+    """rank = pp_idx * dp + dp_idx (tp = 1): stages are blocks of consecutive ranks; ep lives inside dp."""
+    topology = Topology(world_size=8, pp=2, ep=2)
+    groups = topology.process_groups()
+    assert list(groups) == ["world", "ep", "edp", "tp", "pp", "dp", "pp_ends", "pp_ends_dp"]
+    assert groups["dp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pp_ends_dp"] == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert topology.coordinates(6) == (1, 2, 0) and topology.rank_of(1, 2) == 6
+    assert Topology(world_size=4, pp=2).expert_parallel_size == 2
+
+
+def test_pipeline_size_must_divide_the_world():
+    with pytest.raises(PlanError, match=r"pipeline-parallel size 3 must divide the world size 4; choose pp from \[1, 2, 4\]"):
+        Topology(world_size=4, pp=3).validate()
+    with pytest.raises(PlanError, match=r"expert-parallel size 4 must divide the ranks of a pipeline stage, 2 \(world 4 / pp 2\)"):
+        Topology(world_size=4, pp=2, ep=4).validate()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from commfx.runtime.launcher import STOP_SIGNALS
+
 pytestmark = pytest.mark.distributed
 
 
@@ -32,11 +34,20 @@ def ranks_of(job_root: Path) -> list[int]:
     return pids
 
 
-def start_cli(job_root: Path) -> subprocess.Popen:
+def start_cli(job_root: Path, *, ignore: tuple[int, ...] = ()) -> subprocess.Popen:
+    """`commfx run` on a tiny model for (nearly) ever. Signal dispositions start at their
+    defaults whatever pytest's own were (a background shell job ignores SIGINT), except
+    those in `ignore`, as `nohup` would leave them."""
     env = {**os.environ, "TMPDIR": str(job_root), "PYTHONWARNINGS": "ignore"}
+    command = ["-m", "commfx", "run", "gpt-moe-tiny", "--world-size", "2", "--steps", "100000"]
+
+    def dispositions() -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN if s in ignore else signal.SIG_DFL)
+
     return subprocess.Popen(
-        [sys.executable, "-m", "commfx", "run", "gpt-moe-tiny", "--world-size", "2", "--steps", "100000"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [sys.executable, *command],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=dispositions,
     )
 
 
@@ -54,28 +65,80 @@ def wait_for_ranks(cli: subprocess.Popen, job_root: Path) -> None:
     assert cli.poll() is None, cli.stdout.read()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_signal_to_the_cli_stops_every_rank_and_removes_the_job(tmp_path, signum):
+def assert_nothing_left(job_root: Path) -> None:
+    assert wait_until(lambda: not ranks_of(job_root), 10), f"ranks left running: {ranks_of(job_root)}"
+    assert not list(job_root.glob("commfx-job-*")), "job directory left behind"
+
+
+@pytest.mark.parametrize("signum, times", [(signal.SIGTERM, 1), (signal.SIGINT, 2), (signal.SIGHUP, 1)])
+def test_a_signal_to_the_cli_stops_every_rank_and_removes_the_job(tmp_path, signum, times):
+    """`times=2`: Ctrl-C pressed twice must not cut the clean-up short."""
     cli = start_cli(tmp_path)
     try:
         wait_for_ranks(cli, tmp_path)
-        time.sleep(random.Random(int(signum)).uniform(0.2, 4.0))  # somewhere in the run: capture, compile or steps
-        cli.send_signal(signum)
+        time.sleep(random.Random(int(signum)).uniform(0.2, 4.0))  # somewhere in the run: startup, capture, compile or steps
+        for _ in range(times):
+            cli.send_signal(signum)
+            time.sleep(0.05)
         assert cli.wait(timeout=60) == 128 + signum
         out = cli.stdout.read()
-        assert f"stopped by {signal.Signals(signum).name}" in out, out
-        assert wait_until(lambda: not ranks_of(tmp_path), 10), f"ranks left running: {ranks_of(tmp_path)}"
-        assert not list(tmp_path.glob("commfx-job-*")), "job directory left behind"
+        assert f"stopped by {signal.Signals(signum).name}: every rank was stopped and the job directory removed" in out, out
+        assert_nothing_left(tmp_path)
     finally:
         cli.kill()
         for pid in ranks_of(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (its SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(l for l in status.splitlines() if l.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+def test_a_signal_while_the_cli_compiles_before_any_rank_ends_cleanly(tmp_path):
+    """The CLI compiles rank 0's share itself before launching: a signal then ends it as cleanly.
+    SIGTERM has no handler until the CLI's main() installs one, which is the moment to send it."""
+    cli = start_cli(tmp_path)
+    try:
+        assert wait_until(lambda: catches(cli.pid, signal.SIGTERM) or cli.poll() is not None, 60)
+        assert not ranks_of(tmp_path)
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=60) == 128 + signal.SIGTERM
+        out = cli.stdout.read()
+        assert "stopped by SIGTERM: no rank had started" in out and "Traceback" not in out, out
+        assert_nothing_left(tmp_path)
+    finally:
+        cli.kill()
+
+
+def test_a_signal_the_caller_ignores_stays_ignored(tmp_path):
+    """Under `nohup`, SIGHUP (the terminal closing) must not stop the training."""
+    cli = start_cli(tmp_path, ignore=(signal.SIGHUP,))
+    try:
+        wait_for_ranks(cli, tmp_path)
+        cli.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert cli.poll() is None and len(ranks_of(tmp_path)) == 2, "SIGHUP stopped a run that ignores it"
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=60) == 128 + signal.SIGTERM
+        assert_nothing_left(tmp_path)
+    finally:
+        cli.kill()
+        for pid in ranks_of(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("when", ["as they start", "mid-run"])
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path, when):
+    """`as they start`: ranks spend their first seconds importing torch, before any code of
+    theirs runs; the kernel's parent-death signal is armed before that (between fork and exec)."""
     cli = start_cli(tmp_path)
     try:
         wait_for_ranks(cli, tmp_path)
+        if when == "mid-run":
+            time.sleep(random.Random(7).uniform(2.0, 5.0))
         cli.kill()  # SIGKILL: no handler runs, so the ranks must notice on their own
         cli.wait(timeout=10)
         assert wait_until(lambda: not ranks_of(tmp_path), 10), f"orphaned ranks: {ranks_of(tmp_path)}"

@@ -3,6 +3,7 @@ with a plan in one process: `commfx.compile_program`)."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 
 import torch
@@ -17,6 +18,7 @@ from .plan import Plan, PlanError
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
+from .runtime.pipeline.module import PipelineModule
 
 
 def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwargs: dict | None = None) -> DistributedModule:
@@ -52,8 +54,22 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwarg
     tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
     _check_same_graph(scheduler, program)
-    placement = shard_parameters(program, groups["ep"].rank)
+    if "pipeline" in program.annotations:
+        return _pipeline_module(program, plan, scheduler, groups["ep"].rank)
+    placement = shard_parameters(program, {name: handle.rank for name, handle in groups.items() if "/" not in name})
     return DistributedModule(program, plan, scheduler, placement, compile_training)
+
+
+def _pipeline_module(program: Program, plan: Plan, scheduler: CommScheduler, ep_rank: int) -> PipelineModule:
+    """This rank's stage, with its own expert shards (expert parallelism inside the stage)."""
+    stage_index = plan.topology.coordinates(scheduler.rank)[0]
+    stage = program.annotations["pipeline"].stages[stage_index]
+    view = copy.copy(program)
+    view.gm = stage.gm
+    shards = program.annotations.get("shards", {})
+    view.annotations = {**program.annotations, "shards": {t: spec for t, spec in shards.items() if t in stage.parameters}}
+    placement = shard_parameters(view, ep_rank)
+    return PipelineModule(program, plan, scheduler, placement, compile_training)
 
 
 def _has_no_rows(tensors) -> bool:
@@ -68,7 +84,8 @@ def stand_in_row(t: torch.Tensor) -> torch.Tensor:
 def _check_same_graph(scheduler: CommScheduler, program: Program) -> None:
     """Every rank must issue the same collectives in the same order, or they mismatch and
     hang. Graphs may differ in shapes (a batch of 1 specialises), not in this skeleton."""
-    texts = scheduler.all_gather_object(collective_skeleton(program.gm))
+    graphs = [s.gm for s in program.annotations["pipeline"].stages] if "pipeline" in program.annotations else [program.gm]
+    texts = scheduler.all_gather_object("\n".join(collective_skeleton(gm) for gm in graphs))
     if len(set(texts)) > 1:
         other = next(i for i, t in enumerate(texts) if t != texts[0])
         diff = difflib.unified_diff(texts[0].splitlines(), texts[other].splitlines(), "rank 0", f"rank {other}", lineterm="", n=0)

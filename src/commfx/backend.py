@@ -159,7 +159,8 @@ def default_backend(gm: fx.GraphModule, example_inputs: list):
 
 def _shard_in_graph(plan: Plan) -> Plan:
     passes = tuple(
-        PassSpec(p.name, {**p.options, "shard_in_graph": True}) if p.name == "expert_parallel" else p for p in plan.passes
+        PassSpec(p.name, {**p.options, "shard_in_graph": True}) if p.name in ("expert_parallel", "split_embedding_comm") else p
+        for p in plan.passes
     )
     return dataclasses.replace(plan, passes=passes)
 

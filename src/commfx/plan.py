@@ -10,6 +10,7 @@ experts cannot be split over 4 ranks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,8 @@ class Topology:
 
     @property
     def expert_parallel_size(self) -> int:
-        return self.ep or self.world_size
+        """Expert parallelism lives inside one pipeline stage's dp x tp ranks (default: all of them)."""
+        return self.ep or self.dp * self.tp
 
     @property
     def dp(self) -> int:
@@ -59,33 +61,68 @@ class Topology:
     def validate(self) -> None:
         if self.world_size < 1:
             raise PlanError(f"world size must be at least 1, got {self.world_size}")
-        if self.pp != 1 or self.tp != 1:
+        if self.tp < 1 or self.world_size % self.tp:
             raise PlanError(
-                f"pipeline (pp={self.pp}) and tensor (tp={self.tp}) parallel layouts are not supported yet; use pp=1 tp=1"
+                f"tensor-parallel size {self.tp} must divide the world size {self.world_size}; "
+                f"choose tp from {divisors(self.world_size)} (--tp)"
+            )
+        if self.pp < 1 or (self.world_size // self.tp) % self.pp:
+            raise PlanError(
+                f"pipeline-parallel size {self.pp} must divide the world size {self.world_size}"
+                + (f" divided by tp {self.tp}" if self.tp > 1 else "")
+                + f"; choose pp from {divisors(self.world_size // self.tp)} (--pp)"
             )
         ep = self.expert_parallel_size
-        if ep < 1 or self.world_size % ep:
-            raise PlanError(
-                f"expert-parallel size {ep} must divide the world size {self.world_size}; "
-                f"choose ep from {divisors(self.world_size)}"
-            )
+        stage = self.dp * self.tp
+        if ep < 1 or stage % ep:
+            where = f"the ranks of a pipeline stage, {stage} (world {self.world_size} / pp {self.pp})" if self.pp > 1 else f"the world size {self.world_size}"
+            raise PlanError(f"expert-parallel size {ep} must divide {where}; choose ep from {divisors(stage)}")
         if self.ranks_per_node and self.world_size % self.ranks_per_node:
             raise PlanError(
                 f"ranks per node {self.ranks_per_node} must divide the world size {self.world_size}"
             )
 
+    def rank_of(self, pp_idx: int, dp_idx: int, tp_idx: int = 0) -> int:
+        """Rank order: tp fastest, then dp, then pp."""
+        return pp_idx * (self.dp * self.tp) + dp_idx * self.tp + tp_idx
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pp_idx, dp_idx, tp_idx) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def tp_index(self, rank: int) -> int:
+        """This rank's position in its tensor-parallel group (tp is the fastest-varying index)."""
+        return self.coordinates(rank)[2]
+
+    def dp_index(self, rank: int) -> int:
+        """Which data shard this rank reads: the ranks of one tensor-parallel group read the same rows."""
+        return self.coordinates(rank)[1]
+
     def process_groups(self) -> dict[str, list[list[int]]]:
         """Every group the plan uses, as lists of global ranks, in a fixed creation order.
 
-        `world` carries the replicated (data-parallel) gradients, `ep` the expert
-        all-to-alls (blocks of consecutive ranks), `edp` the gradients of expert shards that
-        are replicated when ep < world (ranks at the same position in every ep block).
+        `ep` carries the expert all-to-alls (blocks of consecutive ranks inside one pipeline
+        stage's dp x tp ranks), `edp` the gradients of expert shards that are replicated when
+        ep < dp x tp (ranks at the same position in every ep block of a stage), `tp` the
+        tensor-parallel all-reduces (blocks of tp consecutive ranks), `pp` the point-to-point
+        traffic of one pipeline (same dp and tp index, ordered by stage), `dp` the replicated
+        gradients (same pp and tp index; the world when pp = tp = 1). With pp > 1, `pp_ends`
+        (first and last stage of one pipeline) and `pp_ends_dp` (first and last stage of every
+        pipeline) synchronise a weight both ends hold (a tied embedding).
         """
-        ep = self.expert_parallel_size
+        ep, pp, dp, tp = self.expert_parallel_size, self.pp, self.dp, self.tp
         world = list(range(self.world_size))
-        ep_groups = [world[i : i + ep] for i in range(0, self.world_size, ep)]
-        edp_groups = [world[i :: ep] for i in range(ep)]
-        return {"world": [world], "ep": ep_groups, "edp": edp_groups}
+        dp_groups = [[self.rank_of(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        stages = [world[s : s + dp * tp] for s in range(0, self.world_size, dp * tp)]  # the ranks of one stage
+        ep_groups = [stage[i : i + ep] for stage in stages for i in range(0, dp * tp, ep)]
+        edp_groups = [stage[i::ep] for stage in stages for i in range(ep)]
+        tp_groups = [world[i : i + tp] for i in range(0, self.world_size, tp)]
+        pp_groups = [[self.rank_of(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        groups = {"world": [world], "ep": ep_groups, "edp": edp_groups, "tp": tp_groups, "pp": pp_groups, "dp": dp_groups}
+        if pp > 1:
+            groups["pp_ends"] = [[g[0], g[-1]] for g in pp_groups]
+            groups["pp_ends_dp"] = [sorted(r for g in pp_groups if g[0] % tp == t for r in (g[0], g[-1])) for t in range(tp)]
+        return groups
 
 
 def divisors(n: int) -> list[int]:
@@ -106,6 +143,9 @@ class PassSpec:
             key, eq, value = item.partition("=")
             if not eq:
                 raise PlanError(f"pass option {item!r} in {text!r} must be written key=value")
+            if re.search(r":\s*\w+\s*=", value):  # k=2:priority=true
+                fixed = f"{name.strip()}:{rest.replace(':', ';')}"
+                raise PlanError(f"options of one pass are separated by ';', not ':': write {fixed!r} instead of {text.strip()!r}")
             options[key.strip()] = value.strip()
         return cls(name.strip(), options)
 
@@ -130,8 +170,18 @@ class Plan:
 
     @property
     def grad_scale(self) -> float:
-        """What summed replicated gradients are multiplied by (1/world under mean, like DDP)."""
-        return 1.0 / self.topology.world_size if self.grad_reduction == "mean" else 1.0
+        """What summed replicated gradients are multiplied by (1/dp under mean, like DDP: the
+        ranks of one tensor-parallel group read the same rows, so they count once; dp is the
+        world when there is neither a pipeline nor tensor parallelism)."""
+        return 1.0 / self.topology.dp if self.grad_reduction == "mean" else 1.0
+
+    def grad_scale_for(self, group: str) -> float:
+        """The factor for gradients summed over `group`. Expert gradients (`edp`) arrive
+        through the all-to-all summed over the tokens of every rank of a stage, and the ranks
+        of a tensor-parallel group send the same tokens, so under mean they take 1/(dp x tp)."""
+        if group == "edp" and self.grad_reduction == "mean":
+            return 1.0 / (self.topology.dp * self.topology.tp)
+        return self.grad_scale
 
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]
@@ -166,6 +216,7 @@ class PriorityClass:
     name: str
     level: int  # lower issues first
     description: str
+    groups: tuple[str, ...] = ()  # the process groups this class uses (its clones); () = every group
 
 
 PRIORITY_CLASSES: dict[str, PriorityClass] = {}
@@ -174,12 +225,13 @@ PRIORITY_CLASSES: dict[str, PriorityClass] = {}
 DEFAULT_CLASS = "a2a"
 
 
-def register_priority_class(name: str, level: int, description: str) -> PriorityClass:
-    """Add a class (passes that bring their own traffic call this at import)."""
+def register_priority_class(name: str, level: int, description: str, groups: tuple[str, ...] = ()) -> PriorityClass:
+    """Add a class (passes that bring their own traffic call this at import). `groups`
+    limits the process groups cloned for it (default: all of the plan's groups)."""
     existing = PRIORITY_CLASSES.get(name)
     if existing is not None and existing.level != level:
         raise ValueError(f"priority class {name!r} already registered with level {existing.level}")
-    PRIORITY_CLASSES[name] = PriorityClass(name, level, description)
+    PRIORITY_CLASSES[name] = PriorityClass(name, level, description, tuple(groups))
     return PRIORITY_CLASSES[name]
 
 
@@ -192,3 +244,6 @@ def priority_class(name: str) -> PriorityClass:
 
 register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
 register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")
+# Pipeline stages wait for each other's activations and gradients: critical, like all-to-all,
+# on clones of the pp groups only (a lane per direction and peer keeps sends from blocking recvs).
+register_priority_class("pp", 10, "pipeline point-to-point: activations forward, activation gradients backward", groups=("pp",))

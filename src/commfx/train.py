@@ -40,12 +40,14 @@ def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .api import distribute
     from .compiler.render import render
-    from .verify import split_batch
+    from .runtime.pipeline.module import PipelineModule
+    from .verify import data_share, split_batch
 
     kwargs = {"batch": config.batch} if config.batch else {}
     model, inputs = load_model(config.model, seed=config.seed, **kwargs)
-    local = tuple(split_batch(t, world_size, rank) for t in inputs)
+    local = tuple(split_batch(t, *data_share(config.plan, rank)) for t in inputs)
     dm = distribute(model, config.plan, local)
+    pipelined = isinstance(dm, PipelineModule)
     if rank == 0 and config.dump_path:
         with open(config.dump_path, "w") as f:
             f.write(render(dm.module))
@@ -59,17 +61,21 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         start = time.perf_counter()
         dm.scheduler.stats.reset()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(dm(*local), local)
-        loss.backward()
+        if pipelined:  # forward and backward over micro-batches; the last stage has the loss
+            loss = dm.step(*local, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs)).loss
+        else:
+            loss = loss_fn(dm(*local), local)
+            loss.backward()
         optimizer.step()
         elapsed = time.perf_counter() - start
         if dm.timeline is not None:
             dm.timeline.step(step + 1, start, start + elapsed)
         stats = dm.scheduler.stats
         gathered = dm.scheduler.all_gather_object(
-            (loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed, local[0].shape[0])
+            (None if loss is None else loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed, local[0].shape[0])
         )
-        with_rows = [g[0] for g in gathered if g[4] > 0]  # ranks without rows this step report no loss
+        # ranks without rows this step, and pipeline stages before the last, report no loss
+        with_rows = [g[0] for g in gathered if g[4] > 0 and g[0] is not None]
         mean_loss = sum(with_rows) / len(with_rows)
         record = {
             "step": step + 1,

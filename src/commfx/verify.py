@@ -103,6 +103,13 @@ def split_batch(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tenso
     return torch.tensor_split(tensor, world_size, dim=0)[rank]
 
 
+def data_share(plan: Plan, rank: int) -> tuple[int, int]:
+    """(parts, index): the batch is cut over data-parallel replicas; the stages of one
+    pipeline share their replica's part (with no pipeline, every rank is a replica)."""
+    topology = plan.topology
+    return topology.dp, topology.coordinates(rank)[1]
+
+
 def local_batch(inputs, world_size: int, rank: int):
     """This rank's share of a global batch (a tuple of tensors or a dict of keyword tensors)."""
     if isinstance(inputs, dict):
@@ -116,7 +123,8 @@ def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
     any rank is spawned, with the message and no traceback."""
     from .compiler.pipeline import compile_program
 
-    compile_program(model, plan, local_batch(global_inputs, plan.topology.world_size, 0))
+    plan.validate()  # the topology first: the batch is cut by it
+    compile_program(model, plan, local_batch(global_inputs, *data_share(plan, 0)))
 
 
 def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:
@@ -129,15 +137,20 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
     from torch.utils import _pytree as pytree
 
     from .api import distribute
+    from .runtime.pipeline.module import PipelineModule
 
     results = []
     for case in cases:
         model, inputs = build_case_model(case)
-        local = tuple(split_batch(t, world_size, rank) for t in inputs)
+        parts, part = data_share(case.plan, rank)
+        local = tuple(split_batch(t, parts, part) for t in inputs)
         dm = distribute(model, case.plan, local)
-        outputs, _ = pytree.tree_flatten(dm(*local))
         global_rows = inputs[0].shape[0]
-        loss = sum((o * split_batch(p, world_size, rank)).sum() for o, p in zip(outputs, probes(outputs, global_rows, case.seed)))
+        if isinstance(dm, PipelineModule):
+            results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed))
+            continue
+        outputs, _ = pytree.tree_flatten(dm(*local))
+        loss = sum((o * split_batch(p, parts, part)).sum() for o, p in zip(outputs, probes(outputs, global_rows, case.seed)))
         loss.backward()
         results.append(
             {
@@ -148,6 +161,28 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
             }
         )
     return results
+
+
+def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: int) -> dict:
+    """The same probe loss, per micro-batch on the last stage (summed, not averaged over
+    micro-batches, so the gradients are the reference's)."""
+    from torch.utils import _pytree as pytree
+
+    def loss_fn(outputs, microbatch):
+        flat = pytree.tree_flatten(outputs)[0]
+        mine = [split_batch(p, parts, part)[microbatch.rows] for p in probes(flat, global_rows, seed)]
+        return sum((o * p).sum() for o, p in zip(flat, mine))
+
+    result = dm.step(*local, loss_fn=loss_fn, scale_grads=False)
+    per_mb = [pytree.tree_flatten(o)[0] for o in result.outputs]
+    outputs = [torch.cat([mb[i] for mb in per_mb]) for i in range(len(per_mb[0]))] if per_mb else []
+    return {
+        "outputs": outputs,
+        "has_outputs": dm.is_last,
+        "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+        "placement": dm.placement,
+        "tokens": int(local[0].numel()),
+    }
 
 
 def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -163,10 +198,10 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
         loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
         (loss * scale).backward()
         return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return _capacity_reference(case, model, inputs, world_size, scale, capacity)
+    return _capacity_reference(case, model, inputs, case.plan.topology.dp, scale, capacity)
 
 
-def _capacity_reference(case, model, inputs, world_size, scale, capacity):
+def _capacity_reference(case, model, inputs, shards, scale, capacity):
     from torch.utils import _pytree as pytree
 
     from .compiler.pipeline import compile_program
@@ -175,12 +210,12 @@ def _capacity_reference(case, model, inputs, world_size, scale, capacity):
     from .runtime.comm import install_default, local_scheduler
 
     single = Plan(Topology(world_size=1), (PassSpec("lift"),))
-    program = compile_program(copy.deepcopy(model), single, tuple(split_batch(t, world_size, 0) for t in inputs))
+    program = compile_program(copy.deepcopy(model), single, tuple(split_batch(t, shards, 0) for t in inputs))
     set_capacity(program, capacity)
     install_default(local_scheduler())
     pieces = []
-    for rank in range(world_size):
-        local = tuple(split_batch(t, world_size, rank) for t in inputs)
+    for rank in range(shards):
+        local = tuple(split_batch(t, shards, rank) for t in inputs)
         pieces.append(list(program.gm(*local)))
     outputs = [torch.cat([piece[i] for piece in pieces]) for i in range(len(pieces[0]))]
     loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
@@ -210,21 +245,37 @@ def low_precision_tolerances(case: VerifyCase, ref_grads: dict[str, torch.Tensor
 
 
 def compare(case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float) -> VerifyReport:
+    from .compiler.sharding import assemble
+
     ref_outputs, ref_grads = reference(case, world_size)
-    outputs = [torch.cat([r["outputs"][i] for r in rank_results]) for i in range(len(ref_outputs))]
+    topology = case.plan.topology
+    tp = topology.tp
+    with_outputs = [r for r in rank_results if r.get("has_outputs", True)]  # a pipeline's last stages
+    # One rank per data shard gives the global output; the others of its tp group must agree.
+    outputs = [torch.cat([r["outputs"][i] for r in with_outputs[::tp]]) for i in range(len(ref_outputs))]
     output_diff = max((o - r).abs().max().item() for o, r in zip(outputs, ref_outputs))
-    ep = case.plan.topology.expert_parallel_size
+    for i, result in enumerate(with_outputs):
+        lead = with_outputs[i // tp * tp]
+        output_diff = max([output_diff] + [(a - b).abs().max().item() for a, b in zip(result["outputs"], lead["outputs"])])
+    ep = topology.expert_parallel_size
     grad_diffs, replica_diff = {}, 0.0
     for name, ref in ref_grads.items():
-        if name in rank_results[0]["placement"]:
-            full = torch.cat([rank_results[r]["grads"][name] for r in range(ep)])
-            replicas = [torch.cat([rank_results[b + r]["grads"][name] for r in range(ep)]) for b in range(0, world_size, ep)]
+        holders = [r for r in rank_results if name in r["grads"]]  # every rank, or one stage's ranks
+        if not holders:
+            continue
+        placement = holders[0]["placement"].get(name)
+        if isinstance(placement, dict):  # tensor-parallel shard: assemble each tp group's parts
+            groups = [holders[b : b + tp] for b in range(0, len(holders), tp)]
+            replicas = [assemble([r["grads"][name] for r in g], [r["placement"][name] for r in g]) for g in groups]
+        elif placement is not None:
+            blocks = [holders[b : b + ep] for b in range(0, len(holders), ep)]
+            replicas = [torch.cat([r["grads"][name] for r in block]) for block in blocks]
         else:
-            full = rank_results[0]["grads"][name]
-            replicas = [r["grads"][name] for r in rank_results]
+            replicas = [r["grads"][name] for r in holders]
+        full = replicas[0]
         grad_diffs[name] = (full - ref).abs().max().item()
         replica_diff = max([replica_diff] + [(x - full).abs().max().item() for x in replicas])
-    missing = set(rank_results[0]["grads"]) ^ set(ref_grads)
+    missing = set().union(*(r["grads"] for r in rank_results)) ^ set(ref_grads)
     if missing:
         raise AssertionError(f"gradients present on one side only: {sorted(missing)}")
     return VerifyReport(

@@ -97,12 +97,14 @@ class _PlanRunner:
     def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
         from ..api import distribute
         from ..models import load_model
-        from ..verify import split_batch
+        from ..runtime.pipeline.module import PipelineModule
+        from ..verify import data_share, split_batch
 
         self.spec = spec
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
-        self.inputs = tuple(split_batch(t, world_size, rank) for t in inputs)
+        self.inputs = tuple(split_batch(t, *data_share(spec.plan, rank)) for t in inputs)
         self.dm = distribute(model, spec.plan, self.inputs)
+        self.pipelined = isinstance(self.dm, PipelineModule)
         self.scheduler = self.dm.scheduler
         self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
         self.records: list = []
@@ -115,7 +117,10 @@ class _PlanRunner:
         # Backward comm ops find the process-default scheduler: make it this plan's.
         install_default(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_fn(self.dm(*self.inputs), self.inputs).backward()
+        if self.pipelined:
+            self.dm.step(*self.inputs, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs))
+        else:
+            loss_fn(self.dm(*self.inputs), self.inputs).backward()
         self.optimizer.step()
 
     def step(self) -> tuple[tuple[float, float], dict]:
@@ -145,11 +150,17 @@ class _PlanRunner:
         buffers = [_dummy_buffer(r) for r in self.records]  # allocated outside the timing
         self.scheduler.barrier()
         start = time.monotonic()
+        transfers = []  # point-to-point: queued in record order (a lane per direction), waited at the end
         for record, buffer in zip(self.records, buffers):
-            if record.kind == "all_to_all":
+            if record.peer >= 0:
+                start_p2p = self.scheduler.start_send if record.send_rows else self.scheduler.start_recv
+                transfers.append(start_p2p(buffer, record.group, record.peer, kind=record.kind, priority=record.priority, lane=record.lane))
+            elif record.kind == "all_to_all":
                 self.scheduler.all_to_all(buffer, list(record.send_rows), list(record.recv_rows), record.group)
             else:
                 self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
+        for pending in transfers:
+            self.scheduler.wait(pending)
         return start, time.monotonic()
 
     def traced_step(self, rank: int, trace_dir: str) -> str:
@@ -179,6 +190,8 @@ class _PlanRunner:
 
 
 def _dummy_buffer(record) -> torch.Tensor:
+    if record.peer >= 0:  # a point-to-point send or receive
+        return torch.zeros((record.send_rows or record.recv_rows)[0], dtype=record.dtype)
     if record.kind == "all_to_all":
         return torch.zeros((sum(record.send_rows), *record.row_shape), dtype=record.dtype)
     return torch.zeros(record.send_rows[0], dtype=record.dtype)
@@ -468,7 +481,7 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
         try:
             return launch(
                 "commfx.bench.harness:bench_worker", cluster.world_size, {"config": config},
-                timeout_s=timeout_s, collective_timeout_s=min(300.0, timeout_s),
+                timeout_s=timeout_s, collective_timeout_s=max(spec.plan.collective_timeout_s for spec in config.plans),
                 rank_environment=environment, master_addr=cluster.master_addr, master_port=cluster.suggest_port(),
             )
         finally:
@@ -476,11 +489,12 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
             watcher.join(timeout=5)
 
 
-def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0,
+def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0, pp: int = 1,
                  model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
                  lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
                  link: LinkSpec | None = None, flops_per_rank: float | None = None,
-                 grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None) -> BenchConfig:
+                 grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None,
+                 collective_timeout_s: float | None = None) -> BenchConfig:
     """Validate every plan against the model before any rank starts.
 
     Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
@@ -501,9 +515,11 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         figures["collective_overhead_s"] = collective_overhead_s
 
     def spec(label: str, text: str) -> PlanSpec:
-        plan = Plan.from_cli(text, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **figures)
+        plan = Plan.from_cli(text, world_size=world, ep=ep, pp=pp, ranks_per_node=ranks_per_node, **figures)
         if grad_bucket_bytes:
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
+        if collective_timeout_s:
+            plan = dataclasses.replace(plan, collective_timeout_s=collective_timeout_s)
         return PlanSpec(label, text, plan)
 
     specs = [spec("plan", passes)]
@@ -528,9 +544,9 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
 
     console = console or Console(highlight=False)
     with make_cluster(config.nodes, config.ranks_per_node, link, emulate=emulate) as cluster:
-        console.print(f"cluster: {cluster.describe()}")
+        console.print(f"cluster: {cluster.describe()}", markup=False)
         if not cluster.emulated:
-            console.print(f"[yellow]warning:[/yellow] no emulated network ({cluster.reason}); "
+            console.print(f"[yellow]warning:[/yellow] no emulated network ({escape(cluster.reason)}); "
                           "ranks talk over plain localhost, so link rate and latency are NOT applied")
         calibration = None
         if calibrate_first:
@@ -543,7 +559,7 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
 
             for spec in config.plans:
                 merged = merge_traces([r[spec.label]["trace"] for r in samples], Path(config.trace_dir) / f"{spec.label}.json")
-                console.print(f"trace of one {spec.label} step: {merged}")
+                console.print(f"trace of one {spec.label} step: {merged}", markup=False)
     result.calibration = calibration
     return result
 
@@ -642,4 +658,4 @@ def render(result: BenchResult, console) -> None:
             f"p25–p75 {r.quantile(0.25):.2f}–{r.quantile(0.75):.2f}, min–max {min(r.samples):.2f}–{max(r.samples):.2f}"
         )
     if not result.emulated:
-        console.print(f"[yellow]not emulated:[/yellow] {result.fallback_reason}")
+        console.print(f"[yellow]not emulated:[/yellow] {escape(result.fallback_reason)}")

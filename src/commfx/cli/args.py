@@ -5,6 +5,7 @@ exception from deep inside a run."""
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -16,11 +17,11 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    return _number(text, float, lambda v: v > 0, "a positive number")
+    return _number(text, float, lambda v: 0 < v < math.inf, "a positive number")
 
 
 def non_negative_float(text: str) -> float:
-    return _number(text, float, lambda v: v >= 0, "a non-negative number")
+    return _number(text, float, lambda v: 0 <= v < math.inf, "a non-negative number")
 
 
 def _number(text: str, kind, ok, what: str):

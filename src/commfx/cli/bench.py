@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
                         help="per-node inter-node link, tc units, e.g. 1gbit or 200mbit,1ms; 'none' for unlimited "
                              "(default 200mbit,1ms)")
-    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the data-parallel size)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (with pipeline_split in --passes)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured rounds (default 10)")
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="rounds run before measuring (default 2)")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
@@ -60,7 +61,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="first measure compute rate and link throughput, and print the FLOPs-per-byte balance")
     parser.add_argument("--no-emulation", action="store_true", help="run on plain localhost without link shaping")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped (default 600)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped (default 600)")
+    parser.add_argument("--collective-timeout", type=positive_float, default=120.0, metavar="SECONDS",
+                        help="bound on every wait inside the ranks: the rendezvous, group creation, each collective (default 120)")
     parser.set_defaults(func=_run)
 
 
@@ -101,21 +104,22 @@ def _run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     link = None if args.inter_node.strip().lower() == "none" else LinkSpec.parse(args.inter_node)
     config = build_config(
-        args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep,
+        args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep, pp=args.pp,
         model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
+        collective_timeout_s=args.collective_timeout,
     )
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))
     vs = f" vs {args.vs!r}" if args.vs is not None else ""
     console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds, "
-                  f"model config {config.model_kwargs}")
+                  f"model config {config.model_kwargs}", markup=False)
     result = run_bench(config, link=link, emulate=not args.no_emulation, calibrate_first=args.calibrate,
                        console=console, timeout_s=args.timeout)
     render(result, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.as_dict(), f, indent=2, default=str)
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {args.json}", markup=False)
     return 0

@@ -10,12 +10,16 @@ import time
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..plan import Plan, PlanError
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 
-console = Console(highlight=False)
+# Markup off: what is printed is what was written. Paths, pass lists and error texts hold
+# brackets (gloo's `[/path/pair.cc:553]`, `out/[run1]/g.txt`) that rich would read as tags.
+# Colour goes through Text.
+console = Console(highlight=False, markup=False)
 STAGES = ("lifted", "distributed", "forward", "backward")
 
 
@@ -27,8 +31,12 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
         help="comma-separated pass list; options as name:key=value;key=value (default: lift,expert_parallel)",
     )
     parser.add_argument("--world-size", type=positive_int, default=default_world, help="number of ranks")
-    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the world size)")
+    parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the data-parallel size)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size: stages (use with the pipeline_split pass)")
     parser.add_argument("--ranks-per-node", type=non_negative_int, default=0, help="ranks per node (bytes are split intra/inter node)")
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel size (needs the tensor_parallel pass; default 1)"
+    )
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -41,7 +49,7 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 
 def _plan(args) -> Plan:
-    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, ranks_per_node=args.ranks_per_node)
+    plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, pp=args.pp, tp=args.tp, ranks_per_node=args.ranks_per_node)
     return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout)
 
 
@@ -49,7 +57,7 @@ def cmd_passes(args) -> int:
     from ..passes import REGISTRY
 
     for name, cls in REGISTRY.items():
-        console.print(f"[bold]{name:<18}[/bold] {cls.summary()}", soft_wrap=True)
+        console.print(Text.assemble((f"{name:<18}", "bold"), f" {cls.summary()}"), soft_wrap=True)
     return 0
 
 
@@ -72,6 +80,10 @@ def cmd_dump(args) -> int:
     else:
         gm = program.gm
     text = render(gm, args.format)
+    if args.stage == "distributed" and "pipeline" in program.annotations:
+        from ..compiler.render import render_pipeline
+
+        text = render_pipeline(program.annotations["pipeline"], args.format)
     if args.format == "code" and program.annotations.get("notes"):  # what passes chose, and why
         text = "".join(f"# {note}\n" for note in program.annotations["notes"]) + text
     if args.output:
@@ -105,11 +117,11 @@ def cmd_verify(args) -> int:
     table.add_row("replicated grads across ranks", f"{report.replica_diff:.3e}", f"{args.tolerance:g}")
     console.print(table)
     for name, (tol, why) in sorted(report.low_precision.items()):
-        console.print(f"* grad {name}: judged at {tol:.3g}: {why}", markup=False, soft_wrap=True)
+        console.print(f"* grad {name}: judged at {tol:.3g}: {why}", soft_wrap=True)
     console.print(f"tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)")
-    verdict = "[green]PASS[/green]" if report.ok else "[red]FAIL[/red]"
+    verdict = ("PASS", "green") if report.ok else ("FAIL", "red")
     detail = "" if report.ok else f"; over tolerance: {', '.join(report.failures)}"
-    console.print(f"{verdict}: largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}", soft_wrap=True)
+    console.print(Text.assemble(verdict, f": largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}"), soft_wrap=True)
     return 0 if report.ok else 1
 
 
@@ -187,23 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..runtime.launcher import Stopped, stop_on_signals
+
+    try:
+        with stop_on_signals():  # from the start: a signal while compiling, before any rank, ends cleanly too
+            return _run_command(argv)
+    except Stopped as stop:
+        done = "every rank was stopped and the job directory removed" if stop.ranks_stopped else "no rank had started"
+        console.print(f"{stop}: {done}")
+        return 128 + stop.signum
+
+
+def _run_command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler.capture import CaptureError
     from ..passes import PassError
-    from ..runtime.launcher import LaunchError, Stopped
+    from ..runtime.launcher import LaunchError
 
     try:
         return args.func(args)
     except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
         print_error(error)
         return 2
-    except Stopped as stop:
-        console.print(f"{stop}: every rank was stopped and the job directory removed", markup=False)
-        return 128 + stop.signum
 
 
 def print_error(error: BaseException) -> None:
-    """One line of `error:` and the message as written: error texts hold brackets (gloo's
-    `[/path/pair.cc:553]`, shapes) that rich must not read as markup."""
-    console.print("[red]error:[/red] ", end="")
-    console.print(str(error), markup=False, soft_wrap=True)
+    """One line of `error:` and the message as written (the console reads no markup)."""
+    console.print(Text.assemble(("error:", "red"), " ", str(error)), soft_wrap=True)

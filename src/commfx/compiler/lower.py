@@ -67,7 +67,7 @@ def lower(program: Program, example_inputs: tuple[torch.Tensor, ...]) -> Lowered
     """Scheduled forward and backward graphs of `program` (as rank 0 sees its shapes)."""
     program = copy.copy(program)
     program.gm = copy.deepcopy(program.gm)
-    shard_parameters(program, ep_rank=0)
+    shard_parameters(program, 0)
     graphs: dict[str, fx.GraphModule] = {}
 
     def keep(name):

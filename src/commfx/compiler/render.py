@@ -17,11 +17,23 @@ FORMATS = ("code", "tabular", "dot")
 
 
 def render(gm: fx.GraphModule, fmt: str = "code") -> str:
+    return _normalise_symbols(_render_raw(gm, fmt))
+
+
+def render_pipeline(pipeline, fmt: str = "code") -> str:
+    """A split program (compiler.stages.Pipeline): its stages and boundaries, then each
+    stage's graph; sizes share one naming across the whole text."""
+    parts = [pipeline.describe()]
+    for stage in pipeline.stages:
+        parts.append(f"\n# ---- stage {stage.index} ----\n{_render_raw(stage.gm, fmt)}")
+    return _normalise_symbols("".join(parts))
+
+
+def _render_raw(gm: fx.GraphModule, fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
     rows = [_row(node) for node in gm.graph.nodes]
-    text = {"code": _as_code, "tabular": _as_table, "dot": _as_dot}[fmt](rows)
-    return _normalise_symbols(text)
+    return {"code": _as_code, "tabular": _as_table, "dot": _as_dot}[fmt](rows)
 
 
 def _row(node: fx.Node) -> dict:

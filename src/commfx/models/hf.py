@@ -31,6 +31,7 @@ _MLA_ATTENTION = dict(
 
 
 __all__ = [
+    "HF_DENSE_FAMILIES",
     "HF_FAMILIES",
     "HFFamily",
     "build_hf_moe",
@@ -146,9 +147,27 @@ HF_FAMILIES: dict[str, HFFamily] = {
 }
 
 
+# Dense families (no experts): what tensor parallelism splits besides attention is the MLP.
+# Qwen2 has biased q/k/v, Qwen3 per-head q/k norms, Llama grouped-query attention.
+HF_DENSE_FAMILIES: dict[str, HFFamily] = {
+    "llama": HFFamily(),
+    "qwen2": HFFamily(dict(use_sliding_window=False)),
+    "qwen3": HFFamily(dict(head_dim=8, use_sliding_window=False)),
+    "mistral": HFFamily(dict(sliding_window=None)),
+}
+
+
+def _family(model_type: str) -> HFFamily:
+    family = HF_FAMILIES.get(model_type) or HF_DENSE_FAMILIES.get(model_type)
+    if family is None:
+        raise _unknown(model_type)
+    return family
+
+
 def _unknown(model_type: str) -> ValueError:
     return ValueError(
-        f"unknown HF MoE model_type {model_type!r}; supported: {', '.join(sorted(HF_FAMILIES))}. "
+        f"unknown HF model_type {model_type!r}; supported: {', '.join(sorted(HF_FAMILIES))} (MoE), "
+        f"{', '.join(sorted(HF_DENSE_FAMILIES))} (dense). "
         "To add one, put an HFFamily(config overrides) entry in commfx.models.hf.HF_FAMILIES "
         "(tiny sizes, every layer MoE, no router jitter) and check that it captures fullgraph."
     )
@@ -158,9 +177,7 @@ def hf_config(model_type: str):
     """The tiny transformers config for ``model_type`` (attention/experts implementations unset)."""
     from transformers import AutoConfig
 
-    if model_type not in HF_FAMILIES:
-        raise _unknown(model_type)
-    return AutoConfig.for_model(model_type, **{**_TINY, **HF_FAMILIES[model_type].config})
+    return AutoConfig.for_model(model_type, **{**_TINY, **_family(model_type).config})
 
 
 def build_hf_moe(
@@ -181,11 +198,9 @@ def build_hf_moe(
     capture makes the choices training needs. Returns ``(model, (input_ids,))`` with
     ``input_ids`` of shape ``[batch, seq]``.
     """
-    if model_type not in HF_FAMILIES:
-        raise _unknown(model_type)
     from transformers import AutoModelForCausalLM
 
-    family = HF_FAMILIES[model_type]
+    family = _family(model_type)
     config = hf_config(model_type)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

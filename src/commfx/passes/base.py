@@ -8,13 +8,14 @@ ensures, a docstring that states its idea in two lines and cites its paper, and
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 
 from ..compiler.program import Program
-from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Plan, PlanError
+from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, PassSpec, Plan, PlanError
 
 
 class PassError(RuntimeError):
@@ -65,33 +66,82 @@ def get_pass(name: str) -> type[Pass]:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise PlanError(f"unknown pass {name!r}; registered passes: {', '.join(REGISTRY)} (see `commfx passes`)") from None
+        raise PlanError(f"unknown pass {name!r}{_spelling_hint(name)}; registered passes: {', '.join(REGISTRY)} (see `commfx passes`)") from None
+
+
+def _spelling_hint(name: str) -> str:
+    """`lift;expert_parallel` (a ';' between passes) or a near miss (`expert-parallel`)."""
+    if ";" in name and all(part.strip() in REGISTRY for part in name.split(";")):
+        return f": passes are separated by ',' (--passes {','.join(part.strip() for part in name.split(';'))})"
+    close = difflib.get_close_matches(name.lower().replace("-", "_"), REGISTRY, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
     """Check a plan before anything is traced: its topology, that every pass exists, comes
     once and after the passes it needs, that its options parse, and (given the model) that
-    each pass fits it. Errors say what is wrong and how to fix it."""
+    each pass fits it. Errors say what is wrong and how to fix it, with the user's own pass
+    list corrected where it can be."""
     plan.validate()
-    seen: list[str] = []
+    if plan.topology.tp > 1 and "tensor_parallel" not in plan.pass_names():
+        raise PlanError(
+            f"tensor-parallel size {plan.topology.tp} needs the tensor_parallel pass, e.g. "
+            f"--passes {_in_order((PassSpec('lift'), *[s for s in plan.passes if s.name != 'lift'], PassSpec('tensor_parallel')))}"
+        )
+    if plan.topology.tp > 1 and plan.topology.pp > 1:
+        raise PlanError(
+            f"tensor parallelism (tp={plan.topology.tp}) inside pipeline stages (pp={plan.topology.pp}) is not "
+            "supported yet; use --tp with --pp 1, or --pp with --tp 1"
+        )
     for spec in plan.passes:
         if spec.name not in REGISTRY and "=" in spec.name:
             raise PlanError(
                 f"{spec.name!r} is not a pass: it looks like an option. Options of one pass are separated by ';' "
-                f"and passes by ',', e.g. --passes \"lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=4096\""
+                f"and passes by ',': --passes \"{_options_joined(plan.passes)}\""
             )
+    seen: list[str] = []
+    for spec in plan.passes:
         pass_cls = get_pass(spec.name)
         if spec.name in seen:
             raise PlanError(f"pass {spec.name!r} appears twice in the plan; list it once")
         missing = [r for r in _with_prerequisites(pass_cls.requires_passes) if r not in seen]
         if missing:
-            fixed = [*seen, *missing, *(p.name for p in plan.passes[len(seen) :])]
+            later = [r for r in missing if r in plan.pass_names()]
+            where = f" (the list has {', '.join(later)} after it)" if later else ""
             raise PlanError(
-                f"pass {spec.name!r} needs {', '.join(missing)} before it; for example --passes {','.join(fixed)}"
+                f"pass {spec.name!r} needs {', '.join(missing)} before it{where}; for example --passes {_in_order(plan.passes)}"
             )
         seen.append(spec.name)
         pass_cls.check_plan(plan, build_options(pass_cls, spec.options), model)
     return plan
+
+
+def _written(spec: PassSpec) -> str:
+    """A pass spec as written on the command line."""
+    return spec.name + (":" + ";".join(f"{k}={v}" for k, v in spec.options.items()) if spec.options else "")
+
+
+def _options_joined(specs: tuple[PassSpec, ...]) -> str:
+    """The pass list with each stray `key=value` joined to the pass before it."""
+    fixed: list[PassSpec] = []
+    for spec in specs:
+        key, eq, value = spec.name.partition("=")
+        if eq and spec.name not in REGISTRY and fixed:
+            fixed[-1] = PassSpec(fixed[-1].name, {**fixed[-1].options, key.strip(): value.strip()})
+        else:
+            fixed.append(spec)
+    return ",".join(map(_written, fixed))
+
+
+def _in_order(specs: tuple[PassSpec, ...]) -> str:
+    """The user's passes (with their options), each after what it needs, prerequisites added."""
+    by_name = {spec.name: spec for spec in specs}
+    ordered: list[str] = []
+    for spec in specs:
+        for name in _with_prerequisites(get_pass(spec.name).requires_passes) + [spec.name]:
+            if name not in ordered:
+                ordered.append(name)
+    return ",".join(_written(by_name.get(name, PassSpec(name))) for name in ordered)
 
 
 def _with_prerequisites(names: tuple[str, ...]) -> list[str]:
@@ -165,7 +215,7 @@ def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None, w
 
 # ------------------------------------------------------------------------------ verifier
 
-COMM_OPS = ("all_to_all", "exchange_counts")
+COMM_OPS = ("all_to_all", "exchange_counts", "all_reduce", "tp_copy")
 RANK_QUERIES = {"get_rank", "get_world_size", "get_process_group_ranks"}
 
 
@@ -184,7 +234,8 @@ def verify_graph(program: Program, plan: Plan) -> None:
             group = node.args[3] if node.target is torch.ops.commfx.all_to_all.default else node.args[1]
             if group not in known_groups:
                 raise PassError(f"node {node.name} uses process group {group!r}, which the plan does not define")
-            priority = node.args[4] if len(node.args) > 4 else node.kwargs.get("priority", DEFAULT_CLASS)
+            is_a2a = node.target is torch.ops.commfx.all_to_all.default
+            priority = node.args[4] if is_a2a and len(node.args) > 4 else node.kwargs.get("priority", DEFAULT_CLASS)
             if priority not in PRIORITY_CLASSES:
                 raise PassError(f"node {node.name} uses priority class {priority!r}, which is not registered")
     verify_waits(graph)

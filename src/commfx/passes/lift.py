@@ -24,6 +24,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..plan import Plan
 from ..compiler.program import Program, module_paths, stamp
 from .base import Pass, PassError, register
+from .lift_embeddings import lift_embeddings
 
 commfx = torch.ops.commfx
 
@@ -112,10 +113,11 @@ class Lift(Pass):
     """Spell MoE blocks (router, experts) with canonical commfx ops; enabling pass.
 
     Recognisers are the EXPERTS_PATTERNS table; unmatched MoE-looking modules are reported.
+    Embedding lookups become commfx.embedding (recognisers in lift_embeddings.py).
     """
 
     name = "lift"
-    ensures = ("moe lifted",)
+    ensures = ("moe lifted", "embeddings lifted")
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -150,8 +152,10 @@ class Lift(Pass):
         program.annotations["moe_blocks"] = blocks
         program.annotations["unmatched_moe"] = unmatched
         program.annotations["kept_routers"] = kept_routers
+        tables, kept_lookups = lift_embeddings(program)
+        program.annotations["embeddings"], program.annotations["kept_embeddings"] = tables, kept_lookups
         program.gm.recompile()
-        return bool(blocks)
+        return bool(blocks or tables)
 
 
 def _regions(graph: fx.Graph) -> dict[str, tuple[type, list[fx.Node]]]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
+import time
 from collections import defaultdict
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -25,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Topology
+from .hierarchical_a2a import NodeLayout, hierarchical_all_to_all
 from .priority import Dispatcher, Pending
+
+A2A_ALGORITHMS = ("flat", "hierarchical")
 
 
 class CommError(RuntimeError):
@@ -67,6 +72,8 @@ class CollectiveRecord:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     priority: str = DEFAULT_CLASS
+    peer: int = -1  # point-to-point: the peer's index in `group` (send_rows: a send, recv_rows: a receive)
+    lane: str = ""
 
 
 class CommScheduler:
@@ -74,7 +81,9 @@ class CommScheduler:
 
     Collectives go through a `Dispatcher` (see `priority.py`): `start_*` queues one and
     returns at once, `wait_tensor` / `wait` block until it is done (bounded by
-    `timeout_s`); the blocking forms are start + wait. `local_only=True` replaces every
+    `timeout_s`); the blocking forms are start + wait. `a2a_algorithm` is "flat" (one
+    all_to_all_single) or "hierarchical" (see `hierarchical_a2a.py`: each remote node gets
+    a row once, forwarded inside the node; same result bit for bit) for groups that span nodes. `local_only=True` replaces every
     collective by a local copy of the same size (the compute-only baseline of `commfx
     bench`); `records`, when a list, receives a CollectiveRecord per collective (to replay
     communication alone).
@@ -89,7 +98,12 @@ class CommScheduler:
         self.local_only = False
         self.records: list[CollectiveRecord] | None = None
         self.dispatcher = Dispatcher()
+        self.a2a_algorithm = "flat"
+        self._count_lock = threading.Lock()  # the dispatcher thread counts hierarchical phases
         self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
+        self.op_state: dict = {}  # state an op reads when it runs, keyed by op id (e.g. resizable tp linears)
+        self.blocked_s = 0.0  # seconds this rank has spent waiting on communication (compute = wall - blocked)
+        self.slowdown = 1.0  # > 1: the executor stretches each compute node (a straggler, for `commfx bench --slow-rank`)
 
     def group(self, name: str, priority: str = DEFAULT_CLASS) -> "GroupHandle":
         key = group_key(name, priority)
@@ -106,14 +120,25 @@ class CommScheduler:
     # -- collectives -------------------------------------------------------------------
 
     def start_all_to_all(
-        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = ""
+        self,
+        x: torch.Tensor,
+        send_rows: list[int],
+        recv_rows: list[int],
+        group: str,
+        priority: str = DEFAULT_CLASS,
+        tag: str = "",
+        kind: str = "all_to_all",
     ) -> torch.Tensor:
-        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`)."""
+        """Queue an uneven all-to-all of rows; returns its output (valid after `wait_tensor`).
+        `kind` is the name its bytes are counted under (e.g. "embedding_all_to_all")."""
         handle = self.group(group, priority)
         if len(send_rows) != handle.size or len(recv_rows) != handle.size:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
+        layout = NodeLayout(tuple(self.topology.node_of(r) for r in handle.ranks))
+        hierarchical = self.a2a_algorithm == "hierarchical" and layout.spans_nodes() and not self.local_only
         row_bytes = _row_bytes(x)
-        self._count("all_to_all", handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
+        if not hierarchical:  # the hierarchical phases count themselves when they run
+            self._count(kind, handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})
         if self.records is not None:
             self.records.append(CollectiveRecord("all_to_all", group, tuple(send_rows), tuple(recv_rows), tuple(x.shape[1:]), x.dtype, priority))
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
@@ -126,9 +151,25 @@ class CommScheduler:
             return out
         x = x.contiguous()
         nbytes = sum(send_rows) * row_bytes
+        if hierarchical:
+            self._started[id(out)] = self.dispatcher.submit(
+                Pending(kind, priority, group, tag, nbytes, lambda: self._hierarchical(out, x, send_rows, recv_rows, handle, layout, kind))
+            )
+            return out
         issue = lambda: dist.all_to_all_single(out, x, recv_rows, send_rows, group=handle.pg, async_op=True)  # noqa: E731
-        self._started[id(out)] = self.dispatcher.submit(Pending("all_to_all", priority, group, tag, nbytes, issue))
+        self._started[id(out)] = self.dispatcher.submit(Pending(kind, priority, group, tag, nbytes, issue))
         return out
+
+    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout, kind: str) -> None:
+        """Run a hierarchical all-to-all to completion on the dispatcher thread, into `out`."""
+
+        def exchange(output, payload, output_splits, input_splits):
+            dist.all_to_all_single(output, payload, output_splits, input_splits, group=handle.pg)
+
+        def count(phase, bytes_to_index):
+            self._count(kind, handle, {handle.ranks[i]: n for i, n in bytes_to_index.items()})
+
+        out.copy_(hierarchical_all_to_all(x, send_rows, recv_rows, handle.rank, layout, exchange, count))
 
     def wait_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Block until the collective that produces `t` is done (no-op if none is pending)."""
@@ -137,8 +178,10 @@ class CommScheduler:
             self.wait(pending)
         return t
 
-    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "") -> torch.Tensor:
-        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag))
+    def all_to_all(
+        self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "", kind: str = "all_to_all"
+    ) -> torch.Tensor:
+        return self.wait_tensor(self.start_all_to_all(x, send_rows, recv_rows, group, priority, tag, kind))
 
     def start_all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS, tag: str = "") -> Pending | None:
         """Queue an in-place sum of `tensor` over `group`; None when there is nothing to wait for."""
@@ -161,6 +204,31 @@ class CommScheduler:
         self.wait(self.start_all_reduce(tensor, group, kind, priority))
         return tensor
 
+    def start_send(self, tensor: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
+        """Queue a point-to-point send of `tensor` to index `peer` of `group`, in its own
+        lane: sends in one lane go in submission order, and never wait behind a receive."""
+        handle = self.group(group, priority)
+        payload = tensor.numel() * tensor.element_size()
+        self._count(kind, handle, {handle.ranks[peer]: payload})
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (tensor.numel(),), (), (), tensor.dtype, priority, peer, lane))
+        if self.local_only:
+            return None
+        tensor = tensor.contiguous()
+        issue = lambda: _WorkInThread(dist.isend(tensor, dst=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue, lane=lane))
+
+    def start_recv(self, out: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
+        """Queue a receive into `out` from index `peer` of `group` (valid after `wait`)."""
+        handle = self.group(group, priority)
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (), (out.numel(),), (), out.dtype, priority, peer, lane))
+        if self.local_only:
+            out.zero_()
+            return None
+        issue = lambda: _WorkInThread(dist.irecv(out, src=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        return self.dispatcher.submit(Pending(kind, priority, group, tag, out.numel() * out.element_size(), issue, lane=lane))
+
     def all_gather_object(self, obj, group: str = "world") -> list:
         handle = self.group(group)
         out = [None] * handle.size
@@ -175,7 +243,10 @@ class CommScheduler:
         """Block until `pending` is done; a failure or a timeout raises CommError."""
         if pending is None:
             return
-        if not pending.done.wait(self.timeout_s):
+        start = time.perf_counter()
+        finished = pending.done.wait(self.timeout_s)
+        self.blocked_s += time.perf_counter() - start
+        if not finished:
             raise CommError(
                 f"{pending.kind} on group {pending.group!r} ({pending.priority}) did not finish within "
                 f"{self.timeout_s:.0f}s on rank {self.rank}. Another rank probably died or is stuck; check its log."
@@ -189,13 +260,14 @@ class CommScheduler:
     # -- bookkeeping -------------------------------------------------------------------
 
     def _count(self, kind: str, handle: "GroupHandle", bytes_to_rank: dict[int, int]) -> None:
-        self.stats.calls[kind] += 1
         my_node = self.topology.node_of(self.rank)
-        for peer, nbytes in bytes_to_rank.items():
-            if peer == self.rank:
-                continue
-            same_node = self.topology.node_of(peer) == my_node
-            (self.stats.intra_node_bytes if same_node else self.stats.inter_node_bytes)[kind] += nbytes
+        with self._count_lock:
+            self.stats.calls[kind] += 1
+            for peer, nbytes in bytes_to_rank.items():
+                if peer == self.rank:
+                    continue
+                same_node = self.topology.node_of(peer) == my_node
+                (self.stats.intra_node_bytes if same_node else self.stats.inter_node_bytes)[kind] += nbytes
 
     def _blocking(self, kind: str, group: str, fn) -> None:
         """Run a synchronous collective in the default lane (it shares that lane's groups)."""
@@ -205,6 +277,26 @@ class CommScheduler:
             return None
 
         self.wait(self.dispatcher.submit(Pending(kind, DEFAULT_CLASS, group, "", 0, issue)))
+
+
+class _WorkInThread:
+    """gloo's point-to-point works have no future: wait for one on a helper thread so the
+    dispatcher (which expects `get_future()`) never blocks on a peer."""
+
+    def __init__(self, work, timeout_s: float):
+        self._future = torch.futures.Future()
+
+        def wait():
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+                self._future.set_result(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the future
+                self._future.set_exception(error)
+
+        threading.Thread(target=wait, name="commfx-p2p", daemon=True).start()
+
+    def get_future(self):
+        return self._future
 
 
 def _row_bytes(x: torch.Tensor) -> int:
@@ -246,14 +338,21 @@ def build_groups(topology: Topology, rank: int, timeout_s: float | None = None) 
     handles: dict[str, GroupHandle] = {}
     world = list(range(topology.world_size))
     for priority in sorted(PRIORITY_CLASSES, key=lambda n: PRIORITY_CLASSES[n].level):
+        wanted = PRIORITY_CLASSES[priority].groups
+        made: dict[tuple[int, ...], object] = {}  # one c10d group per rank list and class (dp is the world when pp = 1)
         for name, rank_lists in topology.process_groups().items():
+            if wanted and name not in wanted:
+                continue
             for ranks in rank_lists:
                 if ranks == world and len(ranks) > 1 and priority == DEFAULT_CLASS:
                     pg = dist.group.WORLD
+                elif tuple(ranks) in made:
+                    pg = made[tuple(ranks)]
                 elif len(ranks) > 1:
                     pg = dist.new_group(ranks, **bound)  # collective over the world: every rank creates every group
                 else:
                     pg = None
+                made[tuple(ranks)] = pg
                 if rank in ranks:
                     key = group_key(name, priority)
                     handles[key] = GroupHandle(key, pg, ranks, ranks.index(rank))
@@ -279,7 +378,8 @@ def local_scheduler(topology: Topology | None = None) -> CommScheduler:
     groups = {
         group_key(name, priority): GroupHandle(group_key(name, priority), None, [0], 0)
         for priority in PRIORITY_CLASSES
-        for name in ("world", "ep", "edp")
+        for name in topology.process_groups()
+        if not PRIORITY_CLASSES[priority].groups or name in PRIORITY_CLASSES[priority].groups
     }
     return CommScheduler(topology, 0, groups)
 

@@ -19,7 +19,7 @@ from .comm import CommScheduler, active
 from .grad_sync import GradientSync
 from .trace import Timeline
 
-COMM_OPS = {"all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor"}
+COMM_OPS = {"all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor", "all_reduce"}
 _UNTIMED = {"placeholder", "output", "get_attr"}
 
 
@@ -47,7 +47,10 @@ class GraphExecutor(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             value = self.call_collective(node, args, kwargs)
         else:
+            blocked = self.scheduler.blocked_s
             value = super().run_node(node)
+            if self.scheduler.slowdown > 1.0 and node.op not in _UNTIMED:
+                stretch(self.scheduler, time.perf_counter() - start - (self.scheduler.blocked_s - blocked))
         if self.timeline is not None and node.op not in _UNTIMED and node.target is not operator.getitem:
             self.timeline.compute(node, self.phase, start, time.perf_counter(), blocked=collective)
         self.on_value(node, value)
@@ -59,6 +62,12 @@ class GraphExecutor(fx.Interpreter):
 
     def on_value(self, node: fx.Node, value) -> None:
         """Called with every node's value as soon as it exists."""
+
+
+def stretch(scheduler: CommScheduler, compute_s: float) -> None:
+    """An emulated straggler: a node that computed for `compute_s` takes `slowdown` times as
+    long (the delay shrinks with the work, so a resized linear waits less)."""
+    time.sleep(max(0.0, (scheduler.slowdown - 1.0) * compute_s))
 
 
 class BackwardExecutor(GraphExecutor):

@@ -5,7 +5,7 @@ chosen expert lives now (slot = rank * E/ranks + local id) and records routing s
 as it goes (per layer: expert load and co-selection counts; across adjacent layers:
 transition counts, how often a token of expert i next goes to expert j). Every N optimizer
 steps (`pack_experts:replace_every=N`) the runtime all-reduces the statistics, every rank
-runs the same deterministic solver (`placement_solver.solve`) on the same numbers, and
+runs the same deterministic solver (`placement.solve_slots`) on the same numbers, and
 experts whose rank changes are moved, weights and optimizer state together, so training
 goes on exactly as if nothing had moved. Placement and statistics are saved with the
 module's state_dict.
@@ -19,41 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import CommError, current_scheduler
-from .placement_solver import colocated, solve
-
-
-@dataclass
-class RoutingStats:
-    """Counts since the last re-placement (this rank's tokens; summed over ranks to decide)."""
-
-    load: torch.Tensor  # [E]: assignments per expert
-    co: torch.Tensor  # [E, E]: tokens that chose both i and j (i != j)
-    transitions: torch.Tensor  # [E_prev, E]: tokens of expert i in the previous MoE layer that chose j here
-
-    @classmethod
-    def zeros(cls, experts: int) -> "RoutingStats":
-        return cls(torch.zeros(experts, dtype=torch.int64), torch.zeros(experts, experts, dtype=torch.int64), torch.zeros(0, experts, dtype=torch.int64))
-
-    def record(self, indices: torch.Tensor, previous: torch.Tensor | None) -> None:
-        experts = self.load.numel()
-        idx = indices.detach().cpu()
-        self.load += torch.bincount(idx.reshape(-1), minlength=experts)
-        pairs = (idx.unsqueeze(2) * experts + idx.unsqueeze(1)).reshape(-1)  # every (i, j) of a token
-        self.co += torch.bincount(pairs, minlength=experts * experts).view(experts, experts)
-        self.co.fill_diagonal_(0)
-        if previous is not None and previous.shape[0] == idx.shape[0]:
-            prev = previous.detach().cpu()
-            prev_experts = int(prev.max()) + 1 if prev.numel() else 0
-            width = max(self.transitions.shape[0], prev_experts)
-            if width > self.transitions.shape[0]:
-                grown = torch.zeros(width, experts, dtype=torch.int64)
-                grown[: self.transitions.shape[0]] = self.transitions
-                self.transitions = grown
-            pairs = (prev.unsqueeze(2) * experts + idx.unsqueeze(1)).reshape(-1)
-            self.transitions += torch.bincount(pairs, minlength=width * experts).view(width, experts)
-
-    def state(self) -> dict:
-        return {"load": self.load.clone(), "co": self.co.clone(), "transitions": self.transitions.clone()}
+from .placement import Placement, RoutingStats, slot_ranks, solve_slots
 
 
 @dataclass
@@ -72,18 +38,19 @@ class ExpertPlacement:
         if self.slot_of is None:
             self.slot_of = torch.arange(self.num_experts)
         if self.stats is None:
-            self.stats = RoutingStats.zeros(self.num_experts)
+            self.stats = RoutingStats(self.num_experts)
 
     def record(self, indices: torch.Tensor, previous: torch.Tensor | None) -> None:
-        self.stats.record(indices, previous)
+        self.stats.observe(indices, previous)
 
     def state(self) -> dict:
-        return {"ranks": self.ranks, "slot_of": self.slot_of.tolist(), "replacements": self.replacements, "stats": self.stats.state()}
+        return {"ranks": self.ranks, "slot_of": self.slot_of.tolist(), "replacements": self.replacements, "stats": self.stats.state_dict()}
 
     def load_state(self, state: dict) -> None:
         self.slot_of = torch.tensor(state["slot_of"], dtype=torch.int64)
         self.replacements = int(state["replacements"])
-        self.stats = RoutingStats(**{k: v.clone() for k, v in state["stats"].items()})
+        self.stats = RoutingStats(self.num_experts)
+        self.stats.load_state_dict(state["stats"])
 
 
 class Placements:
@@ -148,18 +115,20 @@ def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, 
     decisions = []
     for op_id in sorted(placements.layers):
         layer = placements.layers[op_id]
-        load, co = layer.stats.load.double(), layer.stats.co.double()
-        both = torch.cat([load, co.reshape(-1)])
+        experts = layer.num_experts
+        both = torch.cat([layer.stats.load, layer.stats.co_selected.reshape(-1)])
         scheduler.all_reduce(both, "world", kind="placement_stats")
-        load, co = both[: layer.num_experts], both[layer.num_experts :].view(layer.num_experts, layer.num_experts)
-        solution = solve(load, co, layer.ranks, layer.slot_of, balance)
-        before = colocated(co, layer.slot_of, layer.ranks)
-        moved = int((solution.slot_of // (layer.num_experts // layer.ranks) != layer.slot_of // (layer.num_experts // layer.ranks)).sum())
+        summed = RoutingStats(experts)
+        summed.load, summed.co_selected = both[:experts].clone(), both[experts:].view(experts, experts).clone()
+        solution = solve_slots(summed, layer.ranks, layer.slot_of, balance)
+        current = slot_ranks(layer.slot_of, layer.ranks)
+        before = Placement(tuple(int(r) for r in current), layer.ranks).colocated(summed.co_selected)
+        moved = int((slot_ranks(solution.slot_of, layer.ranks) != current).sum())
         if moved:
             _move_experts(layer, solution.slot_of, scheduler, module, optimizer)
             layer.replacements += 1
         layer.slot_of = solution.slot_of
-        layer.stats = RoutingStats.zeros(layer.num_experts)
+        layer.stats = RoutingStats(layer.num_experts)
         decisions.append(Decision(op_id, moved, before, solution.colocated, solution.max_load, solution.bound))
     return decisions
 

@@ -29,11 +29,13 @@ from .priority import Pending
 
 @dataclass
 class Slot:
-    """One gradient the backward graph returns: its parameter and the group that reduces it."""
+    """One gradient the backward graph returns: its parameter and the group that reduces it.
+    `group=None`: the graph reduced it already (a pass exchanged it, e.g. sparse embedding
+    rows); the sync passes it through untouched."""
 
     name: str
     param: torch.Tensor
-    group: str
+    group: str | None
 
 
 @dataclass
@@ -56,6 +58,7 @@ class GradientSync:
         scheduler: CommScheduler,
         *,
         scale: float,
+        scales: dict[str, float] | None = None,  # per group, where it differs from `scale`
         bucket_bytes: int = 1 << 20,
         chunk_bytes: int = 0,  # 0: a bucket is one collective
         priority: str = "grad",
@@ -63,6 +66,7 @@ class GradientSync:
         self.slots = slots
         self.scheduler = scheduler
         self.scale = scale
+        self.scales = scales or {}
         self.chunk_bytes = chunk_bytes
         self.priority = priority
         self.buckets = _make_buckets(slots, bucket_bytes)
@@ -91,8 +95,9 @@ class GradientSync:
             for bucket in self.buckets:
                 for pending in bucket.pending:
                     self.scheduler.wait(pending)
-                if self.scale != 1.0:
-                    bucket.flat.mul_(self.scale)
+                scale = self.scales.get(bucket.group, self.scale)
+                if scale != 1.0:
+                    bucket.flat.mul_(scale)
                 offset = 0
                 for slot in bucket.slots:
                     numel = self.slots[slot].param.numel()
@@ -128,7 +133,7 @@ def _make_buckets(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
     sizes: list[int] = []
     for index in reversed(range(len(slots))):
         slot = slots[index]
-        if not slot.param.requires_grad:
+        if not slot.param.requires_grad or slot.group is None:
             continue
         nbytes = slot.param.numel() * slot.param.element_size()
         last = buckets[-1] if buckets else None

@@ -11,9 +11,11 @@ a hang.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +39,7 @@ class Stopped(BaseException):
 
     def __init__(self, signum: int):
         self.signum = signum
+        self.ranks_stopped = 0  # how many ranks the launcher had started and then stopped
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
@@ -74,45 +77,86 @@ def launch(
 
     Returns each rank's return value, in rank order.
     """
-    with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="commfx-job-") as tmp:
-        job = Path(tmp)
-        (job / "job.pkl").write_bytes(
-            pickle.dumps(
-                {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
-            )
-        )
-        port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
-        procs = [
-            _start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0)
-            for rank in range(world_size)
-        ]
+    with stop_on_signals():
+        job = Path(tempfile.mkdtemp(prefix="commfx-job-"))
+        procs: list[subprocess.Popen] = []
         try:
-            with _stop_on_signals():
-                _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
-        except BaseException:
-            _kill_all(procs)
+            (job / "job.pkl").write_bytes(
+                pickle.dumps(
+                    {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
+                )
+            )
+            port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
+            for rank in range(world_size):
+                procs.append(_start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0))
+            _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
+            return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
+        except Stopped as stop:
+            stop.ranks_stopped = len(procs)
             raise
-        return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
+        finally:
+            with _uninterrupted(len(procs)):
+                _kill_all(procs)  # those still running: none after a clean finish
+                shutil.rmtree(job, ignore_errors=True)
+
+
+class _RaiseStopped:
+    """The handler `stop_on_signals` installs. Only the first signal raises: a second one
+    (Ctrl-C pressed twice) must not cut short the clean-up the first one started. During
+    `_uninterrupted` clean-up a signal is held and raised when it is done."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.holding = 0
+        self.held: int | None = None
+
+    def __call__(self, signum: int, _frame) -> None:
+        if self.stopping:
+            return
+        if self.holding:
+            self.held = self.held or signum
+            return
+        self.stopping = True
+        raise Stopped(signum)
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
-    """While ranks run, SIGTERM/SIGINT/SIGHUP raise `Stopped` here (so the ranks are killed
-    and the job directory removed on the way out) instead of ending this process on the
-    spot and orphaning them. Only the main thread can take signals; elsewhere, no change."""
-    if threading.current_thread() is not threading.main_thread():
+def _uninterrupted(ranks: int):
+    """Stopping ranks and removing the job directory run to their end; a stop signal that
+    arrives meanwhile is raised afterwards (unless a stop is already under way)."""
+    handler = next((h for h in map(signal.getsignal, STOP_SIGNALS) if isinstance(h, _RaiseStopped)), None)
+    if handler is None:
         yield
         return
-
-    def stop(signum, _frame):
-        raise Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    handler.holding += 1
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        handler.holding -= 1
+    if not handler.holding and handler.held and not handler.stopping:
+        stop, handler.held, handler.stopping = Stopped(handler.held), None, True
+        stop.ranks_stopped = ranks
+        raise stop
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """While this is open, SIGTERM/SIGINT/SIGHUP raise `Stopped` (so that ranks are killed and
+    the job directory removed on the way out) instead of ending the process on the spot and
+    orphaning its ranks. A signal the caller ignores stays ignored (`nohup` ignores SIGHUP, a
+    shell's background job SIGINT). Only the main thread takes signals: elsewhere, and inside
+    an outer `stop_on_signals`, this changes nothing."""
+    current = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    if threading.current_thread() is not threading.main_thread() or any(isinstance(h, _RaiseStopped) for h in current.values()):
+        yield
+        return
+    handler = _RaiseStopped()
+    previous = {s: signal.signal(s, handler) for s, h in current.items() if h is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
@@ -132,11 +176,35 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
         }
     )
     env.update(extra.env)
-    log = open(job / f"log_{rank}.txt", "wb")
     argv = [*extra.prefix, sys.executable, "-m", "commfx.runtime.worker", str(job), str(rank)]
-    return subprocess.Popen(
-        argv, env=env, stdout=None if stream else log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
-    )
+    with open(job / f"log_{rank}.txt", "wb") as log:  # the rank holds its own copy
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=None if stream else log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
+
+
+def _die_with(launcher_pid: int) -> Callable[[], None] | None:
+    """What a rank runs between fork and exec: ask the kernel to SIGKILL it when the launcher
+    dies (PR_SET_PDEATHSIG survives exec). Armed here, not in the worker, because a rank spends
+    its first seconds importing torch (ten or more on a busy machine) before its own code runs;
+    a launcher killed then must not leave it behind. The worker's parent watch is the backstop."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: the child only calls it
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
+            os._exit(3)
+
+    return arm
 
 
 def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_s: float) -> None:
@@ -167,32 +235,68 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
     codes = [p.wait() for p in procs]
     failed = [r for r, c in enumerate(codes) if c != 0]
     if failed:
-        first = _root_cause(job, failed, killed)
-        others = [r for r in failed if r != first]
-        raise LaunchError(
-            f"rank {first} failed ({_how(job, first, codes[first])})"
-            + (f"; ranks {others} stopped after it" if others else "")
-            + ".\n"
-            + _log_tails(job, len(procs), first=first, only_first=True)
-            + "".join(f"\n--- rank {r}, stopped by the launcher, was at ---\n{_last_stack(job, r, lines=6)}" for r in sorted(killed))
-        )
+        raise LaunchError(_failure_report(job, codes, killed))
 
 
-def _root_cause(job: Path, failed: list[int], killed: set[int]) -> int:
-    """The rank that failed first in cause, not in time: survivors of a dead peer fail too.
+# Why a rank failed, in the order `_failure_report` looks for the root cause.
+OWN_CODE_RAISED, DIED, STOPPED_WHILE_PEERS_WAITED, COLLECTIVE_FAILED, STOPPED = range(5)
 
-    First a rank whose own code raised (an error that is not a communication failure), then
-    one that died by itself without a traceback (crashed, exited), then one whose collective
-    failed, and last the ranks the launcher itself stopped afterwards; the lowest rank within each.
+
+def _failure_kind(job: Path, rank: int, killed: set[int], peers_only_waited: bool) -> int:
+    error = job / f"error_{rank}.txt"
+    if error.exists():
+        return COLLECTIVE_FAILED if _is_communication_failure(error.read_text(errors="replace")) else OWN_CODE_RAISED
+    if rank in killed:
+        return STOPPED_WHILE_PEERS_WAITED if peers_only_waited else STOPPED
+    return DIED
+
+
+def _failure_report(job: Path, codes: list[int], killed: set[int]) -> str:
+    """Name the rank that failed first in cause, not in time (survivors of a dead peer fail
+    too), show its error (or its stack), and the stacks of the ranks the launcher stopped.
+
+    The cause is, in this order: a rank whose own code raised (not a communication failure);
+    one that died by itself without a traceback (crashed, exited); when every error is a
+    communication failure, a rank that was still running when its peers' collectives timed
+    out (hung or slow: it never arrived), which the launcher then stopped; one whose
+    collective failed; the lowest rank within each.
     """
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    errors = [r for r in failed if (job / f"error_{r}.txt").exists()]
+    peers_only_waited = bool(errors) and all(_is_communication_failure((job / f"error_{r}.txt").read_text(errors="replace")) for r in errors)
+    kind = {r: _failure_kind(job, r, killed, peers_only_waited) for r in failed}
+    first = min(failed, key=lambda r: (kind[r], r))
+    waited = [r for r in failed if kind[r] == COLLECTIVE_FAILED]
+    others = [r for r in failed if r != first]
+    if kind[first] == STOPPED_WHILE_PEERS_WAITED:
+        hung = sorted(r for r in failed if kind[r] == STOPPED_WHILE_PEERS_WAITED)
+        return (
+            f"rank {first} did not arrive: {_ranks(waited)} waited for it in a collective until the time bound "
+            f"(Plan.collective_timeout_s, --collective-timeout); the launcher then stopped {_ranks(hung)}, still running. "
+            "Where each was:"
+            + "".join(f"\n--- rank {r}, stopped by the launcher, was at ---\n{_last_stack(job, r, lines=6)}" for r in hung)
+            + f"\n--- rank {waited[0]}, which waited ---\n{_rank_error(job, waited[0])}"
+        )
+    how = {OWN_CODE_RAISED: "its code raised", COLLECTIVE_FAILED: "its collective failed"}.get(kind[first])
+    if how is None:
+        how = f"killed by signal {-codes[first]}" if codes[first] < 0 else f"exit code {codes[first]}"
+    return (
+        f"rank {first} failed ({how})"
+        + (f"; ranks {others} stopped after it" if others else "")
+        + f".\n--- rank {first} ---\n{_rank_error(job, first)}"
+        + "".join(f"\n--- rank {r}, stopped by the launcher, was at ---\n{_last_stack(job, r, lines=6)}" for r in sorted(killed))
+    )
 
-    def rank_key(rank: int) -> tuple[int, int]:
-        error = job / f"error_{rank}.txt"
-        if error.exists():
-            return (2 if _is_communication_failure(error.read_text(errors="replace")) else 0, rank)
-        return (3 if rank in killed else 1, rank)
 
-    return min(failed, key=rank_key)
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _rank_error(job: Path, rank: int, lines: int = 15) -> str:
+    """The raising frame and exception of a rank (its log's tail when it left no traceback)."""
+    error = job / f"error_{rank}.txt"
+    text = error.read_text(errors="replace") if error.exists() else (job / f"log_{rank}.txt").read_text(errors="replace")
+    return error_summary(text, lines) or "(nothing in its log)"
 
 
 # What a rank says when a peer vanished under one of its collectives (commfx's own errors,
@@ -211,12 +315,6 @@ _PEER_FAILURE_MARKERS = (
 def _is_communication_failure(traceback_text: str) -> bool:
     summary = error_summary(traceback_text)
     return any(marker in summary for marker in _PEER_FAILURE_MARKERS)
-
-
-def _how(job: Path, rank: int, code: int) -> str:
-    if (job / f"error_{rank}.txt").exists():
-        return "its code raised"
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 1.0) -> None:
@@ -280,18 +378,9 @@ def error_summary(text: str, lines: int = 15) -> str:
     # A chained traceback ("The above exception was the direct cause...") names its cause first.
     frames = [i for i in range(start) if all_lines[i].lstrip().startswith("File ")]
     frame = all_lines[frames[-1] : frames[-1] + 2] if frames else []
-    return "\n".join([*frame, *all_lines[start : start + lines]])
+    message = [line for line in all_lines[start : start + lines] if not line.startswith(_NOISE)]
+    return "\n".join([*frame, *message])
 
 
-def _log_tails(job: Path, world_size: int, first: int | None = None, lines: int = 15, only_first: bool = False) -> str:
-    order = ([first] if first is not None else []) + [r for r in range(world_size) if r != first]
-    parts = []
-    for rank in order:
-        error = job / f"error_{rank}.txt"
-        text = error.read_text() if error.exists() else (job / f"log_{rank}.txt").read_text(errors="replace")
-        tail = error_summary(text, lines)
-        if tail:
-            parts.append(f"--- rank {rank} ---\n{tail}")
-        if len(parts) >= (1 if only_first else 2):
-            break
-    return "\n".join(parts)
+# Lines torch's interpreter appends to every error it re-raises, telling nothing here.
+_NOISE = ("Original traceback:", "None", "Use tlparse to see full graph")

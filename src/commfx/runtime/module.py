@@ -26,6 +26,7 @@ from .comm import CommScheduler, install_default
 from .expert_placement import Decision, placements_of, replace_experts
 from .executor import BackwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
+from .semi import make_controller
 from .trace import Timeline
 
 
@@ -63,6 +64,9 @@ class DistributedModule(torch.nn.Module):
         install_default(scheduler)
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
+        # resize_tp: shard widths as runtime state, set each window by the SEMI controller
+        resize = program.annotations.get("tp_resize")
+        self.straggler = make_controller(self.module, resize, scheduler, plan.topology, plan.topology.tp_index(scheduler.rank)) if resize else None
         # One lowering per input signature. The captured graph is symbolic in batch and (where
         # the model allows) sequence length and the same on every rank, so a rank lowers a new
         # shape on its own: its collectives are the graph's, in the graph's order, whatever
@@ -99,6 +103,8 @@ class DistributedModule(torch.nn.Module):
         return pytree.tree_map(empty, out)
 
     def _run(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        if self.straggler is not None and torch.is_grad_enabled():
+            self.straggler.begin_step()
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
@@ -124,7 +130,13 @@ class DistributedModule(torch.nn.Module):
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline).run(*args)
 
         def backward(gm):
-            return lambda *args: BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
+            def run(*args):
+                grads = BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
+                if self.straggler is not None:
+                    self.straggler.end_step()  # the step is over on this rank: time it, maybe resize
+                return grads
+
+            return run
 
         return self._compile_training(self.module, inputs, forward=forward, backward=backward)
 
@@ -157,12 +169,15 @@ class DistributedModule(torch.nn.Module):
         return decisions
 
     def get_extra_state(self) -> dict:
-        return {
+        state = {
             "placement": self.placement,
             "world_size": self.plan.topology.world_size,
             "expert_placement": self.placements.state(),
             "optimizer_steps": self.optimizer_steps,
         }
+        if self.straggler is not None:
+            state["resize_tp"] = self.straggler.state_dict()
+        return state
 
     def set_extra_state(self, state: dict) -> None:
         if state.get("placement") != self.placement:
@@ -174,6 +189,8 @@ class DistributedModule(torch.nn.Module):
         # The saved expert shards are in the saved placement's slots: restore it with them.
         self.placements.load_state(state.get("expert_placement", {}))
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        if self.straggler is not None and "resize_tp" in state:
+            self.straggler.load_state_dict(state["resize_tp"])
 
 
 def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
@@ -206,15 +223,23 @@ def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[tor
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
     """Apply `program`'s comm schedule (`annotations["comm_schedule"]`, set by partition_a2a)
-    to `scheduler` (priority on or off) and return the gradient sync for `named_params`
+    and all-to-all algorithm (`annotations["a2a_algorithm"]`) to `scheduler` (priority on or off) and return the gradient sync for `named_params`
     (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
     shards = program.annotations.get("shards", {})
     schedule = program.annotations.get("comm_schedule", {})
+    reduced_in_graph = set(program.annotations.get("reduced_in_graph", ()))  # e.g. sparse embedding exchange
     scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
+    scheduler.a2a_algorithm = program.annotations.get("a2a_algorithm", "flat")  # set by the hierarchical_a2a pass
     slots = [
-        Slot(name, param, group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "world"))
+        Slot(name, param, None if name in reduced_in_graph else group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
     ]
+    scales = {slot.group: plan.grad_scale_for(slot.group) for slot in slots}
     return GradientSync(
-        slots, scheduler, scale=plan.grad_scale, bucket_bytes=plan.grad_bucket_bytes, chunk_bytes=schedule.get("grad_chunk_bytes", 0)
+        slots,
+        scheduler,
+        scale=plan.grad_scale,
+        scales=scales,
+        bucket_bytes=plan.grad_bucket_bytes,
+        chunk_bytes=schedule.get("grad_chunk_bytes", 0),
     )

@@ -11,6 +11,12 @@ the gaps. Every collective carries a priority class; each class is a *lane*:
   interrupted: pre-emption happens only between chunks, so a waiting all-to-all is delayed
   by at most one chunk.
 
+A class may split into sub-lanes (`Pending.lane`): pipeline point-to-point traffic has one
+per direction, so a send waiting for its peer's receive never holds up a receive behind
+it (gloo's send completes only once the peer has posted the receive). Sub-lanes of one
+class do not hold each other back; each keeps submission order, the micro-batch order both
+ends of a boundary share.
+
 Why this cannot hang or mismatch: every class except the first runs on its own clones of
 the process groups (`build_groups`), so a process group only ever sees one lane's
 collectives, and a lane issues in submission order, which is the graph order and the
@@ -46,6 +52,11 @@ class Pending:
     t_submit: float = 0.0
     t_issue: float = 0.0
     t_done: float = 0.0
+    lane: str = ""  # a lane of its own inside the class (pipeline sends and receives); "" = the class's lane
+
+    @property
+    def lane_key(self) -> str:
+        return f"{self.priority}/{self.lane}" if self.lane else self.priority
 
 
 class Dispatcher:
@@ -56,6 +67,7 @@ class Dispatcher:
         self.history: list[Pending] | None = None  # when a list, every finished collective (for traces)
         self._lanes: dict[str, deque[Pending]] = {}
         self._in_flight: dict[str, Pending | None] = {}
+        self._class_of: dict[str, str] = {}  # lane -> its priority class
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -63,8 +75,9 @@ class Dispatcher:
         priority_class(pending.priority)  # unknown classes fail here, on the caller's thread
         with self._cond:
             pending.t_submit = time.perf_counter()  # under the lock: ordered against issue decisions
-            self._lanes.setdefault(pending.priority, deque()).append(pending)
-            self._in_flight.setdefault(pending.priority, None)
+            self._lanes.setdefault(pending.lane_key, deque()).append(pending)
+            self._in_flight.setdefault(pending.lane_key, None)
+            self._class_of[pending.lane_key] = pending.priority
             if self._thread is None:
                 # The dispatcher and gloo's completion callbacks need the GIL to hand the wire to
                 # the next collective; at Python's default 5 ms switch interval a busy main thread
@@ -78,14 +91,16 @@ class Dispatcher:
 
     def _next(self) -> Pending | None:
         """The next collective allowed on the wire, or None (caller holds the lock)."""
-        busy_above = False
-        for name in sorted(self._lanes, key=lambda n: PRIORITY_CLASSES[n].level):
+        busy_above, level_busy, level = False, False, None
+        for name in sorted(self._lanes, key=lambda n: PRIORITY_CLASSES[self._class_of[n]].level):
+            if PRIORITY_CLASSES[self._class_of[name]].level != level:  # lanes of one class do not hold each other back
+                level, busy_above = PRIORITY_CLASSES[self._class_of[name]].level, busy_above or level_busy
             queue, flying = self._lanes[name], self._in_flight[name]
             if queue and flying is None and not (self.enforce_priority and busy_above):
                 pending = self._in_flight[name] = queue.popleft()
                 pending.t_issue = time.perf_counter()
                 return pending
-            busy_above = busy_above or bool(queue) or flying is not None
+            level_busy = level_busy or bool(queue) or flying is not None
         return None
 
     def _loop(self) -> None:
@@ -110,7 +125,7 @@ class Dispatcher:
         pending.t_done = time.perf_counter()
         pending.error = error
         with self._cond:
-            self._in_flight[pending.priority] = None
+            self._in_flight[pending.lane_key] = None
             if self.history is not None:
                 self.history.append(pending)
             self._cond.notify_all()

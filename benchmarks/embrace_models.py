@@ -1,0 +1,64 @@
+"""Embedding-heavy models on real word ids, for `commfx bench` and the EmbRace figures.
+
+Each function returns ``(model, (input_ids,))`` as a model file for any commfx door
+(``commfx bench benchmarks/embrace_models.py:gpt_moe_words``): an untied 50,000-word
+vocabulary and a global batch of word ids from Python's own documentation
+(``pydoc_data.topics``). Ids are the words ranked by frequency (0 the most frequent), the
+rarer ones folded into one unknown id, so a batch touches rows as real text does: a few
+hundred distinct rows of 50,000, most of them near the top of the table.
+
+The batch is 16 windows of 64 consecutive words at seeded random offsets (8 per rank at
+world size 2); the same batch every step, as for every `commfx bench` model.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import torch
+
+VOCAB, HIDDEN, SEQ, ROWS = 50_000, 64, 64, 16
+
+
+def corpus_ids(vocab: int = VOCAB) -> torch.Tensor:
+    """Every word and punctuation mark of pydoc_data.topics as an id ranked by frequency."""
+    import pydoc_data.topics
+
+    words = re.findall(r"\w+|[^\w\s]", " ".join(pydoc_data.topics.topics.values()).lower())
+    ranked = [w for w, _ in collections.Counter(words).most_common(vocab - 1)]
+    index = {w: i for i, w in enumerate(ranked)}
+    return torch.tensor([index.get(w, vocab - 1) for w in words])
+
+
+def word_batch(rows: int = ROWS, seq: int = SEQ, seed: int = 0, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`rows` windows of `seq` consecutive word ids at random offsets (seeded)."""
+    ids = corpus_ids() if ids is None else ids
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq, (rows,), generator=generator)
+    return torch.stack([ids[s : s + seq] for s in starts.tolist()])
+
+
+def gpt_moe_words():
+    """The built-in gpt-moe (hidden 64, 2 layers, 4 experts top-2) with an untied 50k vocabulary."""
+    from commfx.models import build_gpt_moe
+
+    model, _ = build_gpt_moe(vocab_size=VOCAB, hidden_size=HIDDEN, num_experts=4, expert_hidden=64, max_seq=SEQ)
+    return model, (word_batch(),)
+
+
+def olmoe_words():
+    """HF OLMoE (transformers' own modelling code, randomly initialised): hidden 64, 2 layers,
+    4 experts top-2, untied 50k vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from commfx.models.hf import hf_config
+
+    config = hf_config("olmoe")
+    config.vocab_size, config.hidden_size, config.max_position_embeddings = VOCAB, HIDDEN, SEQ
+    config.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.train()
+    return model, (word_batch(),)

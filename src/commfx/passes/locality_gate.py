@@ -1,0 +1,199 @@
+"""locality_gate: route tokens to experts on their own node (LocMoE, IJCAI 2024).
+
+LocMoE turns inter-node all-to-all into intra-node traffic by a gate that prefers the
+token's node while staying balanced. This pass substitutes each lifted `topk_router`:
+
+- the scores: the model's own softmax (`gate=model`), LocMoE's fixed GrAP gate
+  (`gate=grap`), or the switch (top-1) baseline (`gate=switch`, no locality);
+- the choice (hard locality): each token's experts on at most `max_nodes` nodes, chosen by
+  the summed top scores per node (DeepSeek-V3), and at most `max_remote_fraction` of the
+  tokens off their node (FastMoE's FasterGate); both hold from the first step;
+- the losses (soft locality): alpha * E * sum f_i P_i and mu * KL(p_node || node-local), sent
+  into backward by an identity op, so outputs do not change (`ops/locality.py`).
+
+The default (model scores, 1 node, a quarter of the tokens may leave) keeps inter-node
+dispatch + combine rows at most a quarter of the tokens x k, half of plain top-k's expected
+(N-1)/N x k at 2 nodes. Lossy: it changes which experts run; see benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import ops  # noqa: F401  (registers torch.ops.commfx)
+from ..compiler.program import Program, stamp
+from ..ops import locality
+from ..plan import Plan, PlanError, Topology
+from .base import Pass, PassError, register
+from .lift import find_experts_modules
+
+commfx = torch.ops.commfx
+PASS = "locality_gate"
+GATES = ("model", "grap", "switch")
+
+
+def expert_nodes(topology: Topology, num_experts: int) -> tuple[list[int], list[int]]:
+    """(node of each expert, node of each expert-parallel index); experts [r E/ep, (r+1) E/ep) on index r."""
+    ep = topology.expert_parallel_size
+    rank_node = [topology.node_of(i) for i in range(ep)]
+    first = rank_node[0]
+    rank_node = [n - first for n in rank_node]
+    return [rank_node[e // (num_experts // ep)] for e in range(num_experts)], rank_node
+
+
+def router_probs(raw: torch.Tensor, score_dtype: torch.dtype) -> torch.Tensor:
+    return torch.softmax(raw.to(score_dtype), dim=-1)
+
+
+def routing_weights(probs: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """The chosen experts' probabilities (renormalised like the model's router), differentiable."""
+    picked = probs.gather(-1, indices)
+    return picked / picked.sum(-1, keepdim=True) if normalize else picked
+
+
+@register
+class LocalityGate(Pass):
+    """Node-local top-k routing with balance and locality losses (LocMoE; DeepSeek-V3 node limit)."""
+
+    name = PASS
+    requires = ("moe lifted",)
+    ensures = ("locality gate",)
+    requires_passes = ("lift",)
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        gate: str = "model"  # model | grap | switch
+        max_nodes: int = 1  # each token's experts on at most this many nodes (0: no limit)
+        max_remote_fraction: float = 0.25  # at most this fraction of a rank's tokens leaves its node (1: no cap)
+        alpha: float = 0.01  # load-balancing loss weight (0: off)
+        mu: float = 0.01  # locality loss weight (0: off)
+
+    @classmethod
+    def applies(cls, program: Program) -> bool:
+        return bool(program.annotations.get("moe_blocks"))
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Options, model) -> None:
+        if options.gate not in GATES:
+            raise PlanError(f"locality_gate gate={options.gate!r} is not one of {', '.join(GATES)}")
+        if not 0.0 <= options.max_remote_fraction <= 1.0:
+            raise PlanError(f"locality_gate max_remote_fraction must be in [0, 1], got {options.max_remote_fraction}")
+        if options.max_nodes < 0 or options.alpha < 0 or options.mu < 0:
+            raise PlanError("locality_gate max_nodes, alpha and mu must be >= 0")
+        topology = plan.topology
+        nodes = len(set(expert_nodes(topology, topology.expert_parallel_size)[1]))
+        if options.gate != "switch" and nodes < 2:
+            raise PlanError(
+                "locality_gate routes by node, but this plan has "
+                + ("no nodes (ranks_per_node is 0: every rank on one node)" if not topology.ranks_per_node else f"one node holding all ep={topology.expert_parallel_size} ranks")
+                + "; set --ranks-per-node (Topology(ranks_per_node=...)) below the expert-parallel size"
+            )
+        if options.max_nodes > nodes:
+            raise PlanError(
+                f"locality_gate max_nodes={options.max_nodes} is larger than the {nodes} nodes the expert-parallel group spans; "
+                f"choose max_nodes from 1..{nodes} (0: no limit)"
+            )
+        if model is None:
+            return
+        for path, module, pattern in find_experts_modules(model):
+            if pattern is None:
+                continue
+            num_experts, _, hidden = getattr(module, pattern.gate_up).shape
+            if options.gate == "grap" and hidden % num_experts:
+                raise PlanError(
+                    f"locality_gate gate=grap splits {path}'s hidden size {hidden} into {num_experts} groups (one per expert), "
+                    f"but {hidden} is not divisible by {num_experts}; use gate=model, or a hidden size that is a multiple of {num_experts}"
+                )
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        graph = program.graph
+        nodes = {n.name: n for n in graph.nodes}
+        changed = False
+        for block in program.annotations.get("moe_blocks", []):
+            dispatch = nodes[block["dispatch"]]
+            router, picks = _lifted_router(dispatch.args[1])
+            if router is None:
+                raise PassError(
+                    f"locality_gate: the router of {block['path']} was not lifted to commfx.topk_router "
+                    "(lift keeps group-limited, sigmoid and biased routers verbatim); drop locality_gate for this model"
+                )
+            _substitute(graph, router, picks, dispatch.args[0], block, options, plan)
+            changed = True
+        program.annotations["locality_gate"] = dataclasses.asdict(options)
+        program.gm.recompile()
+        return changed
+
+
+def _lifted_router(indices: fx.Node):
+    """(topk_router node, {0: weights getitem, 1: indices getitem}) feeding a dispatch, or (None, None)."""
+    if indices.target is not operator.getitem or indices.args[0].target is not commfx.topk_router.default:
+        return None, None
+    router = indices.args[0]
+    return router, {u.args[1]: u for u in router.users if u.target is operator.getitem}
+
+
+def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, x: fx.Node, block: dict, options, plan: Plan) -> None:
+    logits, k, normalize, score_dtype = router.args
+    num_experts = block["num_experts"]
+    if plan.topology.expert_parallel_size > num_experts:
+        raise PassError(f"{block['path']}: {num_experts} experts over ep={plan.topology.expert_parallel_size}")
+    expert_node, rank_node = expert_nodes(plan.topology, num_experts)
+    num_nodes = len(set(rank_node))
+    per_node = num_experts // num_nodes
+    switch = options.gate == "switch"
+    k_used = 1 if switch else k
+    max_nodes = num_nodes if switch or options.max_nodes == 0 else options.max_nodes
+    fraction = 1.0 if switch else options.max_remote_fraction
+    if max_nodes * per_node < k_used or (fraction < 1.0 and per_node < k_used):
+        raise PassError(
+            f"locality_gate: {block['path']} picks {k_used} experts but a node holds {per_node}; "
+            f"{'max_nodes=' + str(max_nodes) if max_nodes * per_node < k_used else 'tokens kept home'} cannot hold them. "
+            "Raise max_nodes (or max_remote_fraction=1), or use fewer ranks per node"
+        )
+    stack = dict(router.meta.get("nn_module_stack", {}))
+    made = []
+
+    def make(target, args, purpose=None, op="call_function"):
+        node = graph.call_function(target, args) if op == "call_function" else graph.call_method(target, args)
+        node.meta["nn_module_stack"] = stack
+        made.append(node)
+        return stamp(node, PASS, purpose) if purpose else node
+
+    if options.gate == "grap" and _position(graph, x) > _position(graph, router):
+        raise PassError(f"locality_gate: {block['path']}'s hidden states are computed after its router; GrAP cannot use them")
+    with graph.inserting_before(router.next):  # in order (inserting_after would reverse them)
+        raw = make(locality.grap_scores, (x, num_experts), "GrAP gate: relu(mean of d/E groups)") if options.gate == "grap" else logits
+        probs = make(router_probs, (raw, score_dtype), "router probabilities")
+        home = make(commfx.home_experts.default, (probs, expert_node, rank_node, "ep"), "experts on this rank's node")
+        chosen = make("detach", (probs,), op="call_method")
+        purpose = "switch top-1" if switch else f"top-{k} on <= {max_nodes} node(s), <= {fraction:g} of tokens off-node"
+        indices = make(commfx.locality_topk.default, (chosen, home, k_used, expert_node, max_nodes, fraction), purpose)
+        weights = make(routing_weights, (probs, indices, normalize), "chosen experts' weights")
+        if options.alpha or options.mu:
+            losses = make(locality.aux_losses, (probs, indices, home, expert_node, options.alpha, options.mu), f"balance (alpha={options.alpha:g}) and locality (mu={options.mu:g}) losses")
+            weights = make(commfx.add_aux_loss.default, (weights, losses, block["path"]), "identity; backward adds the losses' gradient")
+    old_weights, old_indices = picks.get(0), picks.get(1)
+    _copy_value(indices, old_indices, k_used)
+    _copy_value(weights, old_weights, k_used)
+    if old_weights is not None:
+        old_weights.replace_all_uses_with(weights)
+    old_indices.replace_all_uses_with(indices)
+    for node in (old_weights, old_indices, router):
+        if node is not None and not node.users:
+            graph.erase_node(node)
+    block["top_k"] = k_used
+    block["gate"] = options.gate
+
+
+def _copy_value(new: fx.Node, old: fx.Node | None, k: int) -> None:
+    value = old.meta.get("example_value") if old is not None else None
+    if isinstance(value, torch.Tensor):
+        new.meta["example_value"] = value if value.shape[-1] == k else value[..., :k]
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n is node)

@@ -1,0 +1,220 @@
+"""split_embedding_comm: sparse, per-table embedding communication for data parallelism.
+
+EmbRace (Li et al., ICPP 2022): a step touches only its batch's rows of an embedding table,
+so instead of all-reducing the dense [V, H] gradient each table gets one of
+  shard  - rows split over the ranks; ids go to their owners and rows come back
+           (all-to-all, uneven), row gradients go back to the owners in backward;
+  sparse - replicated; every rank sends its coalesced (row id, row gradient) pairs;
+  dense  - the usual all-reduce (and always for a table tied with an LM head, whose
+           gradient is dense: the head touches every row).
+`embedding_cost` picks per table from vocabulary, width, tokens per rank, world and the
+plan's link figures (`strategy=auto`), and the lookup's dump comment shows the numbers.
+Gradients stay what dense data parallelism computes (sum over ranks, times the plan's
+scale), so SGD, Adam and AdamW as torch defines them give the same parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..compiler.program import Program, stamp
+from ..plan import Plan, PlanError
+from .base import Pass, PassError, register
+from .embedding_cost import STRATEGIES, Estimate, choose, estimate, shard_problem
+
+commfx = torch.ops.commfx
+PASS = "split_embedding_comm"
+SHARD_GROUP, SHARD_REPLICAS = "ep", "edp"  # row shards use the ep blocks, like expert shards
+EMBED_PRIORITY = "a2a"
+
+
+@register
+class SplitEmbeddingComm(Pass):
+    """Sparse embedding communication per table: row-sharded all-to-all, sparse pairs, or dense.
+
+    (EmbRace, ICPP 2022: sparsity-aware hybrid communication for embedding-heavy models.)
+    """
+
+    name = PASS
+    requires = ("embeddings lifted",)
+    ensures = ("embedding comm",)
+    requires_passes = ("lift",)
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        strategy: str = "auto"  # auto | shard | sparse | dense, for the tables below
+        tables: str = ""  # '+'-separated weight names or module paths; empty: every untied table
+        # True where the caller owns full-size tables (the torch.compile backend): nothing
+        # shards them, so row sharding is unavailable and auto picks sparse or dense.
+        shard_in_graph: bool = False
+
+    @classmethod
+    def applies(cls, program: Program) -> bool:
+        return bool(program.annotations.get("embeddings"))
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Options, model) -> None:
+        if options.strategy not in ("auto", *STRATEGIES):
+            raise PlanError(f"split_embedding_comm strategy must be auto, {', '.join(STRATEGIES)}; got {options.strategy!r}")
+        tables = model_tables(model) if model is not None else {}
+        chosen = _selected(tables, options) if model is not None else set()
+        if options.strategy in ("shard", "sparse") and model is not None:
+            for name in chosen:
+                if tables[name]["tied_with"]:
+                    raise PlanError(_tied_error(name, tables[name]["tied_with"], options.strategy))
+            untied = [n for n in chosen if not tables[n]["tied_with"]]
+            if not untied:
+                tied = ", ".join(f"{n} (tied with {', '.join(t['tied_with'])})" for n, t in tables.items())
+                raise PlanError(
+                    f"split_embedding_comm strategy={options.strategy} has no table to apply to: "
+                    f"{tied or 'the model has no embedding table'}. A tied table's gradient is dense (the LM head "
+                    "touches every row); untie the head or use strategy=dense"
+                )
+        if options.strategy == "shard" and options.shard_in_graph:
+            raise PlanError(
+                "split_embedding_comm strategy=shard needs commfx.distribute (it holds one shard of each table per rank); "
+                "under torch.compile's commfx backend use strategy=sparse or auto"
+            )
+        if model is None:
+            return
+        if options.strategy == "shard":
+            parts = plan.topology.expert_parallel_size
+            for name in chosen:
+                problem = shard_problem(tables[name]["num_rows"], parts)
+                if problem and not tables[name]["tied_with"]:
+                    raise PlanError(
+                        f"table {name} cannot be row-sharded: {problem}. Use strategy=sparse (or auto), "
+                        f"a world/ep size dividing its rows, or pad the vocabulary to a multiple of {parts}"
+                    )
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        tables = program.annotations.get("embeddings") or []
+        tokens = program.annotations.get("tokens_per_rank")
+        if tokens is None:
+            raise PassError("split_embedding_comm needs the tokens per rank (compile through commfx.compile_program)")
+        nodes = {n.name: n for n in program.graph.nodes}
+        chosen = _selected({t["weight"]: t for t in tables} | {t["path"]: t for t in tables}, options)
+        decisions = program.annotations.setdefault("embedding_comm", {})
+        parts = plan.topology.expert_parallel_size
+        changed = False
+        for table in tables:
+            if not table["trainable"]:
+                continue
+            weight = program.gm.get_parameter(table["weight"])
+            estimates = estimate(table["num_rows"], table["dim"], weight.element_size(), tokens, plan.topology, parts)
+            if options.shard_in_graph:
+                estimates["shard"] = dataclasses.replace(estimates["shard"], applicable=False, why_not="the caller owns full-size tables")
+            pick, reason = _decide(table, estimates, options, table["weight"] in chosen or table["path"] in chosen)
+            decisions[table["weight"]] = {"strategy": pick, "reason": reason, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
+            purpose = f"{table['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
+            for name in table["lookups"]:
+                lookup = nodes[name]
+                if pick == "sparse":
+                    _replicated_sparse(program, lookup, plan, purpose)
+                elif pick == "shard":
+                    _row_sharded(program, lookup, table, parts, purpose)
+                else:
+                    stamp(lookup, PASS, purpose)
+            if pick == "sparse":
+                program.annotations.setdefault("reduced_in_graph", []).append(table["weight"])
+            elif pick == "shard":
+                program.annotations.setdefault("shards", {})[table["weight"]] = {
+                    "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
+                }
+            changed = changed or pick != "dense"
+        program.gm.recompile()
+        return changed
+
+
+def _decide(table: dict, estimates: dict[str, Estimate], options, selected: bool) -> tuple[str, str]:
+    if table["tied"]:
+        return "dense", f"tied with {', '.join(table['tied_with'])}: its gradient is dense"
+    if options.strategy == "auto" or not selected:
+        best = choose(estimates)
+        return best.strategy, "cost model"
+    if options.strategy == "shard" and not estimates["shard"].applicable:
+        raise PassError(f"table {table['weight']} cannot be row-sharded: {estimates['shard'].why_not}")
+    return options.strategy, "strategy option"
+
+
+def _replicated_sparse(program: Program, lookup: fx.Node, plan: Plan, purpose: str) -> None:
+    weight, ids, padding = lookup.args
+    args = (weight, ids, padding, "world", plan.topology.world_size, plan.grad_scale, EMBED_PRIORITY)
+    lookup.target = commfx.sparse_grad_embedding.default
+    lookup.args = args
+    stamp(lookup, PASS, purpose)
+
+
+def _row_sharded(program: Program, lookup: fx.Node, table: dict, parts: int, purpose: str) -> None:
+    """weight[ids] -> route, ids to owners, owners' lookup, rows back, rows by token."""
+    graph = program.graph
+    weight, ids, padding = lookup.args
+    rows_per_part = table["num_rows"] // parts
+
+    def make(target, args, why=""):
+        node = graph.call_function(target, args)
+        node.meta["nn_module_stack"] = dict(lookup.meta.get("nn_module_stack", {}))
+        return stamp(node, PASS, why) if why else node
+
+    tag = table["weight"]
+    with graph.inserting_before(lookup):
+        route = make(commfx.embedding_route.default, (ids, table["num_rows"], parts), "unique ids, grouped by owner")
+        unique = make(operator.getitem, (route, 0))
+        inverse = make(operator.getitem, (route, 1))
+        send = make(operator.getitem, (route, 2))
+        recv = make(commfx.embedding_counts.default, (send, SHARD_GROUP, EMBED_PRIORITY), "ids each owner serves")
+        asked = make(commfx.embedding_all_to_all.default, (unique, send, recv, SHARD_GROUP, EMBED_PRIORITY, f"{tag} ids"), "ids to owners")
+        local = make(commfx.local_rows.default, (asked, rows_per_part, SHARD_GROUP), "owner's row numbers")
+        served = make(commfx.embedding.default, (weight, local, -1), "owner looks its rows up (backward: adds row gradients)")
+        back = make(
+            commfx.embedding_all_to_all.default, (served, recv, send, SHARD_GROUP, EMBED_PRIORITY, f"{tag} rows"),
+            "rows back (backward: coalesced row gradients to owners)",
+        )
+        out = make(commfx.embedding.default, (back, inverse, -1), "rows by token (backward: coalesce per unique id)")
+        if padding >= 0:
+            out = make(commfx.mask_padding_grad.default, (out, ids, padding), "no gradient for the padding row")
+    stamp(route, PASS, purpose)
+    lookup.replace_all_uses_with(out)
+    graph.erase_node(lookup)
+
+
+def model_tables(model: nn.Module) -> dict[str, dict]:
+    """Embedding tables of a model before capture: weight name -> rows and what it is tied with."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    tables = {}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            name = f"{path}.weight" if path else "weight"
+            others = [n for n in owners.get(id(module.weight), []) if n != name]
+            tables[name] = {"num_rows": module.num_embeddings, "tied_with": others, "path": path}
+    return tables
+
+
+def _selected(tables: dict[str, dict], options) -> set[str]:
+    """Names of the tables the options' strategy applies to (weight names or module paths)."""
+    wanted = [t for t in options.tables.split("+") if t]
+    if not wanted:
+        return {name for name, t in tables.items() if not t["tied_with"]}
+    known = {t.get("path") for t in tables.values()} | set(tables)
+    unknown = [t for t in wanted if t not in known]
+    if unknown:
+        raise PlanError(
+            f"split_embedding_comm tables={'+'.join(wanted)}: no embedding table {', '.join(unknown)}; "
+            f"the model's tables are {', '.join(sorted(n for n in tables if n.endswith('weight'))) or 'none'}"
+        )
+    return {name for name, t in tables.items() if name in wanted or t.get("path") in wanted}
+
+
+def _tied_error(name: str, tied_with: list[str], strategy: str) -> str:
+    return (
+        f"split_embedding_comm strategy={strategy} on {name}, which is tied with {', '.join(tied_with)}: a tied "
+        "table's gradient is dense (the LM head touches every row), so a sparse strategy would claim sparsity it "
+        "does not have. Drop it from tables=, untie the head, or use strategy=dense"
+    )

@@ -1,0 +1,237 @@
+"""SEMI-migration: find a straggler from step timings and resize or migrate its shard.
+
+Every rank of a tensor-parallel group times its own compute per step (time not spent
+waiting on collectives) and the group all-gathers the numbers, so every rank holds the
+same list and every decision below, a pure function of it, is the same on every rank.
+Over a window of steps each rank's speed is its time divided by the work it was given
+(kept fraction, migrated share), which keeps a resized straggler from looking cured. A rank
+slower than the median of the others by `threshold` is a straggler:
+
+- light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy);
+- heavy (>= `heavy_ratio`) and persistent (`persist_windows` windows in a row), and moving
+  the columns costs less link time than the straggler's excess compute: **migrate** the
+  share that balances the two ranks (lossless);
+- recovered: full width and no migration again.
+
+Each decision is logged with its numbers (ratio, excess seconds, bytes and seconds to move).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..plan import Topology
+from .resize import Resizer
+
+
+@dataclass(frozen=True)
+class SemiConfig:
+    mode: str = "semi"  # semi | resize | migrate | off
+    window: int = 4
+    threshold: float = 0.15
+    min_fraction: float = 0.25
+    max_migrate: float = 0.5
+    heavy_ratio: float = 1.5
+    persist_windows: int = 2
+
+
+@dataclass
+class Decision:
+    step: int
+    action: str  # resize | migrate | restore | keep
+    straggler: int | None
+    ratio: float  # straggler's time per unit of work over the median of the others
+    excess_s: float  # straggler's extra compute per step at full width
+    move_bytes: int  # what migration would move per step
+    move_s: float  # ... over the link
+    fraction: float  # kept fraction (resize) or migrated fraction (migrate)
+    why: str
+
+    def line(self) -> str:
+        who = f"rank {self.straggler}" if self.straggler is not None else "no straggler"
+        return (
+            f"step {self.step}: {self.action} ({who}, ratio {self.ratio:.2f}, excess {self.excess_s * 1e3:.1f} ms/step, "
+            f"migration {self.move_bytes:,} B = {self.move_s * 1e3:.1f} ms/step, fraction {self.fraction:.2f}): {self.why}"
+        )
+
+
+@dataclass
+class SemiState:
+    """What the controller remembers between windows (all ranks hold the same)."""
+
+    samples: list[list[float]] = field(default_factory=list)  # per step: every rank's compute seconds
+    work: list[list[float]] = field(default_factory=list)  # per step: every rank's share of its work
+    persistent: int = 0  # windows in a row with the same straggler
+    last_straggler: int | None = None
+    action: str = "keep"  # what is in force: keep | resize | migrate
+    step: int = 0
+
+
+def decide(
+    times: list[float], work: list[float], state: SemiState, config: SemiConfig, bytes_per_column_step: float, bandwidth: float
+) -> Decision:
+    """The decision for one window (pure: the same inputs give the same decision on every rank).
+
+    `times`/`work`: each rank's mean compute seconds and work share over the window;
+    `bytes_per_column_step`: bytes migration moves per step per fraction of a shard moved.
+    """
+    speed = [t / max(w, 1e-9) for t, w in zip(times, work)]
+    straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
+    others = [speed[r] for r in range(len(speed)) if r != straggler] or [speed[straggler]]
+    ratio = speed[straggler] / max(statistics.median(others), 1e-12)
+    # What the straggler would cost per step were nothing done (time per whole shard of work),
+    # so a working remedy does not talk itself out of being needed.
+    excess = max(0.0, speed[straggler] - statistics.median(others))
+    state.persistent = state.persistent + 1 if state.last_straggler == straggler and ratio >= 1 + config.threshold else 0
+    state.last_straggler = straggler if ratio >= 1 + config.threshold else None
+    migrate_fraction = min(config.max_migrate, (ratio - 1) / (ratio + 1))  # (1 - m) * ratio == 1 + m
+    move_bytes = int(bytes_per_column_step * migrate_fraction)
+    move_s = move_bytes / bandwidth if bandwidth else 0.0
+    keep_fraction = max(config.min_fraction, min(1.0, 1.0 / ratio))
+
+    def made(action, fraction, why):
+        state.action = action if action != "restore" else "keep"
+        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why)
+
+    if ratio < 1 + config.threshold:
+        if state.action != "keep":
+            return made("restore", 1.0, f"the slowest rank is within {config.threshold:.0%} of the others: full width")
+        return Decision(state.step, "keep", None, ratio, excess, move_bytes, move_s, 1.0, "no straggler")
+    if config.mode == "off":
+        return Decision(state.step, "keep", straggler, ratio, excess, move_bytes, move_s, 1.0, "resize_tp mode=off")
+    heavy = ratio >= config.heavy_ratio
+    persistent = state.persistent + 1 >= config.persist_windows
+    worth = move_s < excess
+    if config.mode == "migrate" or (config.mode == "semi" and heavy and persistent and worth):
+        why = (
+            "mode=migrate"
+            if config.mode == "migrate"
+            else f"heavy (ratio >= {config.heavy_ratio}) and persistent ({state.persistent + 1} windows), and moving costs less than the excess"
+        )
+        return made("migrate", migrate_fraction, why)
+    why = "mode=resize" if config.mode == "resize" else (
+        "light" if not heavy else "transient" if not persistent else "moving would cost more than the excess"
+    )
+    return made("resize", keep_fraction, f"{why}: keep {keep_fraction:.0%} of its columns")
+
+
+class SemiController:
+    """Times this rank's compute every step, all-gathers the times over the tp group, runs
+    `decide` every `window` steps and applies the decision to this rank's `Resizer`.
+
+    A step runs from `begin_step` (the forward starts) to `end_step` (its backward ends);
+    its compute time is the wall time less the time spent waiting on communication.
+    `adjust(step, seconds)`, when set, changes the measured time before it is shared (tests
+    inject noise; benchmarks could inject slowness)."""
+
+    def __init__(self, resizer: Resizer, scheduler, config: SemiConfig, *, bandwidth: float, element_size: int, group: str = "tp", log: bool = True):
+        self.resizer = resizer
+        self.scheduler = scheduler
+        self.config = config
+        self.group = group
+        self.bandwidth = bandwidth
+        self.element_size = element_size
+        self.log = log
+        self.state = SemiState()
+        self.decisions: list[Decision] = []
+        self.errors: list[float] = []  # resizing error of every step (0 when nothing is dropped)
+        self.adjust = None
+        self._start: tuple[float, float] | None = None
+
+    def begin_step(self) -> None:
+        if self._start is None:
+            self._start = (time.perf_counter(), self.scheduler.blocked_s)
+
+    def my_work(self) -> float:
+        me = self.resizer.tp_rank
+        share = self.resizer.fraction
+        migration = self.resizer.migration
+        if migration:
+            share += -migration["fraction"] if me == migration["giver"] else migration["fraction"] if me == migration["taker"] else 0.0
+        return share
+
+    def end_step(self) -> Decision | None:
+        """Called on every rank of the group once its backward is done (it all-reduces)."""
+        if self._start is None:
+            return None
+        started, blocked = self._start
+        self._start = None
+        compute_s = (time.perf_counter() - started) - (self.scheduler.blocked_s - blocked)
+        if self.adjust is not None:
+            compute_s = self.adjust(self.state.step, compute_s)
+        self.errors.append(self.resizer.error())
+        times, work = self.gather(compute_s, self.my_work())
+        self.state.step += 1
+        self.state.samples.append(times)
+        self.state.work.append(work)
+        if self.state.step % self.config.window:
+            return None
+        window, shares = self.state.samples[-self.config.window :], self.state.work[-self.config.window :]
+        mean_times = [statistics.fmean(step[r] for step in window) for r in range(len(times))]
+        mean_work = [statistics.fmean(step[r] for step in shares) for r in range(len(times))]
+        decision = decide(mean_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth)
+        self.apply(decision)
+        self.decisions.append(decision)
+        if self.log and decision.action != "keep" and self.resizer.tp_rank == 0:
+            print(f"commfx: resize_tp (rank {self.scheduler.rank}, tp group): {decision.line()}", file=sys.stderr, flush=True)
+        return decision
+
+    def gather(self, compute_s: float, work: float) -> tuple[list[float], list[float]]:
+        """Every rank's (time, work), the same list on every rank: each rank writes its slot of
+        a zero vector and the group sums them (one small all-reduce, exact)."""
+        size = self.resizer.tp_size
+        slots = torch.zeros(2 * size, dtype=torch.float64)
+        slots[self.resizer.tp_rank] = compute_s
+        slots[size + self.resizer.tp_rank] = work
+        summed = self.scheduler.all_reduce(slots, self.group, kind="tp_timings").tolist()
+        return summed[:size], summed[size:]
+
+    def apply(self, decision: Decision) -> None:
+        me = self.resizer.tp_rank
+        if decision.action == "restore":
+            self.resizer.restore()
+        elif decision.action == "resize":
+            self.resizer.migrate(0, 0, 0.0)
+            self.resizer.resize(decision.fraction if me == decision.straggler else 1.0)
+        elif decision.action == "migrate":
+            self.resizer.resize(1.0)
+            times = self.state.samples[-1]
+            taker = min((r for r in range(len(times)) if r != decision.straggler), key=lambda r: (times[r], r))
+            self.resizer.migrate(decision.straggler, taker, decision.fraction)
+
+    def _bytes_per_fraction(self) -> float:
+        """Bytes per step that migrating a whole shard's row-parallel columns would move."""
+        total = 0
+        for key, (weight, kind) in self.resizer.linears.items():
+            if kind == "row":
+                plan = self.resizer.plan(key)
+                total += 2 * plan.width * (weight.shape[0] + max(plan.rows, 1)) * self.element_size
+        return float(total)
+
+    def state_dict(self) -> dict:
+        return {"resizer": self.resizer.state_dict(), "semi": dataclasses.asdict(self.state), "decisions": [dataclasses.asdict(d) for d in self.decisions]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resizer.load_state_dict(state["resizer"])
+        self.state = SemiState(**state["semi"])
+        self.decisions = [Decision(**d) for d in state["decisions"]]
+
+
+def make_controller(module: torch.nn.Module, spec: dict, scheduler, topology: Topology, tp_rank: int) -> SemiController:
+    """The controller for a module the resize_tp pass rewrote (`spec`: its annotation)."""
+    linears = {key: (module.get_parameter(key), info["kind"]) for key, info in spec["linears"].items()}
+    resizer = Resizer(linears, scheduler.op_state, tp_rank, topology.tp)
+    options = spec["options"]
+    config = SemiConfig(**{f.name: options[f.name] for f in dataclasses.fields(SemiConfig) if f.name in options})
+    group = topology.process_groups()["tp"]
+    mine = next(g for g in group if scheduler.rank in g)
+    across_nodes = len({topology.node_of(r) for r in mine}) > 1
+    bandwidth = topology.inter_node_bandwidth if across_nodes else topology.intra_node_bandwidth
+    element_size = next(iter(linears.values()))[0].element_size() if linears else 4
+    return SemiController(resizer, scheduler, config, bandwidth=bandwidth, element_size=element_size)

@@ -1,0 +1,150 @@
+"""resize_tp: ZERO-resizing, lossless migration and the SEMI-migration controller.
+
+Single-process tests check the op against its definition (Y = X[..., S] W[:, S]^T, zeros
+imputed in backward), priority selection, the controller's decision rule and the plan
+errors. One gloo launch at tp=2 (float64, gpt-moe-tiny) checks against plain tensor
+parallelism: S = every column is the same function, migration is exact (one step, and
+AdamW steps with migration on then off), a real resize changes the function but not one
+collective's shape, shard widths survive state_dict, and every rank takes the same
+decisions from its own noisy timings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commfx.compiler.lower import lower
+from commfx.compiler.pipeline import compile_program
+from commfx.models import load_model
+from commfx.plan import Plan, PlanError
+from commfx.runtime.comm import active, local_scheduler
+from commfx.runtime.launcher import launch
+from commfx.runtime.resize import Resizer, priority_columns
+from commfx.runtime.semi import SemiConfig, SemiState, decide
+
+commfx = torch.ops.commfx
+
+
+def test_a_resized_linear_contracts_over_the_kept_columns_and_imputes_zeros():
+    scheduler = local_scheduler()
+    weight = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    resizer = Resizer({"w": (weight, "column")}, scheduler.op_state, tp_rank=0, tp_size=2)
+    kept = [0, 2, 5]
+    resizer.resize(0.5, kept={"w": kept})
+    with active(scheduler):
+        y = commfx.tp_linear(x, weight, bias, "w", "tp")
+        probe = torch.randn_like(y)
+        gx, gw, gb = torch.autograd.grad((y * probe).sum(), (x, weight, bias))
+    xs, ws = x.detach()[..., kept].requires_grad_(), weight.detach()[:, kept].requires_grad_()
+    b = bias.detach().requires_grad_()
+    expected = torch.nn.functional.linear(xs, ws, b)
+    ex, ew, eb = torch.autograd.grad((expected * probe).sum(), (xs, ws, b))
+    assert torch.allclose(y, expected, atol=1e-12, rtol=0)
+    dropped = [1, 3, 4]
+    assert torch.equal(gx[..., dropped], torch.zeros_like(gx[..., dropped]))  # imputed: zero, same shape
+    assert torch.equal(gw[:, dropped], torch.zeros_like(gw[:, dropped]))
+    assert torch.allclose(gx[..., kept], ex, atol=1e-12) and torch.allclose(gw[:, kept], ew, atol=1e-12)
+    assert torch.allclose(gb, eb, atol=1e-12)
+    assert gx.shape == x.shape and gw.shape == weight.shape
+    assert 0 < resizer.error() < 1  # what the dropped half left out, relative
+
+
+def test_priority_keeps_the_columns_that_changed_most():
+    weight = torch.zeros(3, 5)
+    snapshot = weight.clone()
+    weight[:, 4] = 2.0
+    weight[:, 1] = 1.0
+    weight[0, 2] = 0.5
+    assert priority_columns(weight, snapshot, 2) == [1, 4]
+    assert priority_columns(weight, snapshot, 3) == [1, 2, 4]
+    assert priority_columns(torch.ones(2, 4), None, 2) == [0, 1]  # ties: lower index first
+    # the next selection ranks by change since this one
+    resizer = Resizer({"w": (weight, "row")}, {}, tp_rank=0, tp_size=2)
+    resizer.resize(0.4)
+    assert resizer.plan("w").kept == [1, 4]
+    weight[:, 0] += 3.0
+    weight[:, 3] += 1.0
+    resizer.resize(0.4)
+    assert resizer.plan("w").kept == [0, 3]
+
+
+def test_resize_and_migration_fractions_out_of_range_are_clear_errors():
+    resizer = Resizer({"w": (torch.randn(4, 6), "row")}, {}, tp_rank=0, tp_size=2)
+    for bad in (0.0, 1.5, -0.2):
+        with pytest.raises(ValueError, match=r"resize fraction must be in \(0, 1\]"):
+            resizer.resize(bad)
+    with pytest.raises(ValueError, match=r"migration fraction must be in \[0, 1\)"):
+        resizer.migrate(0, 1, 1.0)
+    with pytest.raises(ValueError, match="two different tp ranks"):
+        resizer.migrate(1, 1, 0.5)
+    resizer.resize(0.5)
+    assert len(resizer.plan("w").kept) == 3
+    model, inputs = load_model("gpt-moe-tiny")
+    with pytest.raises(PlanError, match=r"min_fraction=1.5 is out of range.*\(0, 1\]"):
+        compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:min_fraction=1.5", world_size=2, tp=2), inputs)
+    with pytest.raises(PlanError, match="mode must be one of semi, resize, migrate, off"):
+        compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:mode=fast", world_size=2, tp=2), inputs)
+    with pytest.raises(PlanError, match=r"needs the tensor_parallel pass, e.g. --passes lift,tensor_parallel,resize_tp$"):
+        compile_program(model, Plan.from_cli("lift,resize_tp", world_size=2, tp=2), inputs)
+
+
+def test_every_tp_linear_becomes_resizable_and_the_graph_keeps_its_collectives():
+    model, inputs = load_model("gpt-moe-tiny")
+    program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=2, tp=2), inputs)
+    linears = program.annotations["tp_resize"]["linears"]
+    assert linears == {"layers.0.attn.qkv.weight": {"kind": "column"}, "layers.0.attn.proj.weight": {"kind": "row"}}
+    assert sum(1 for n in program.graph.nodes if n.target is commfx.tp_linear.default) == 2
+    lowered = lower(program, inputs)
+    assert sum(1 for n in lowered.backward.graph.nodes if n.target is commfx.tp_linear_backward.default) == 2
+    # the same tp collectives as plain tensor parallelism: widths never reach the graph
+    assert sum(1 for n in lowered.forward.graph.nodes if n.target is commfx.all_reduce.default) == 1
+    assert sum(1 for n in lowered.backward.graph.nodes if n.target is commfx.all_reduce.default) == 1
+
+
+def _decide(times, work, state, **config):
+    return decide(times, work, state, SemiConfig(**config), bytes_per_column_step=1e6, bandwidth=1e9)
+
+
+def test_semi_resizes_light_or_transient_slowness_and_migrates_heavy_persistent_slowness():
+    state = SemiState()
+    first = _decide([0.10, 0.25], [1.0, 1.0], state, persist_windows=2)
+    assert (first.action, first.straggler) == ("resize", 1) and first.fraction == pytest.approx(0.4)
+    assert "transient" in first.why
+    # resized to 40%: its time fell, but per unit of work it is as slow as before
+    second = _decide([0.10, 0.10], [1.0, 0.4], state, persist_windows=2)
+    assert second.action == "migrate" and second.ratio == pytest.approx(2.5)
+    assert second.fraction == pytest.approx(1.5 / 3.5)  # (1 - m) 2.5 == 1 + m: both ranks then take as long
+    assert _decide([0.10, 0.10], [1.0, 0.4], SemiState(persistent=3, last_straggler=1), max_migrate=0.3).fraction == 0.3
+    light = _decide([0.10, 0.12], [1.0, 1.0], SemiState(), threshold=0.1)
+    assert light.action == "resize" and "light" in light.why
+    expensive = decide([0.10, 0.3], [1.0, 1.0], SemiState(persistent=5, last_straggler=1), SemiConfig(), 1e12, 1e9)
+    assert expensive.action == "resize" and "cost more" in expensive.why and expensive.move_s > expensive.excess_s
+    recovered = _decide([0.10, 0.10], [1.0, 1.0], state)
+    assert recovered.action == "restore" and recovered.fraction == 1.0
+    assert "ratio 2.50" in second.line() and "migration 428,571 B = 0.4 ms/step" in second.line()  # logged with its numbers
+
+
+def test_resizing_migration_and_the_controller_at_tp2():
+    results = launch("resize_workers:resize_suite", 2, {}, timeout_s=300)
+    for result in results:
+        assert result["plain_untouched"] == 0.0  # resize_tp with nothing resized is plain tp
+        assert result["all_kept"] == 0.0  # S = every column, through the resizing path: bit for bit
+        assert result["migrated"] <= 1e-10  # migration is lossless
+        assert result["migration_bytes"]["calls"] == 2 and result["migration_bytes"]["intra_node_bytes"] > 0
+        assert result["restored"] == 0.0  # undone: plain tp again
+        assert result["resized"] > 1e-3  # rank 1 at half width really computes something else
+        # imputation: every collective has the same kind, group, shape and dtype as plain tp's
+        assert result["records_resized"] == result["records_plain"] == result["records_reference"]
+        assert [r[0] for r in result["records_plain"]] == ["tp_all_reduce", "tp_all_reduce"]
+        assert result["kept_after_load"] == result["kept"]  # shard widths survive state_dict
+        assert result["training_diff"] <= 1e-10  # AdamW with migration on, then off, is AdamW
+    assert results[1]["error"] > 0 and results[0]["error"] == 0  # only the resized rank reports an error
+    assert len(results[1]["kept"]["layers.0.attn.qkv.weight"]) == 8 and results[0]["kept"]["layers.0.attn.qkv.weight"] is None
+    # the same decisions on both ranks, from clocks that disagree
+    assert results[0]["seen"] != results[1]["seen"]
+    assert results[0]["decisions"] == results[1]["decisions"]
+    assert results[0]["actions"] == ["resize", "migrate", "migrate", "restore"]
+    assert all(result["restored_at_end"] for result in results)
