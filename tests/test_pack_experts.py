@@ -122,10 +122,13 @@ def test_packed_expert_parallel_equals_the_model():
 
 
 @pytest.mark.distributed
-def test_packed_and_chunked_expert_parallel_equals_the_model_at_world_4():
-    plan = Plan.from_cli(PACKED + ",partition_a2a:k=2", world_size=4)
-    (report,) = verify([VerifyCase("gpt-moe", plan, batch=6)], 4, timeout_s=600)
-    assert report.ok, (report.failures, report.max_diff)
+def test_packed_expert_parallel_with_and_without_chunks_equals_the_model_at_world_4():
+    cases = [
+        VerifyCase("gpt-moe", Plan.from_cli(PACKED, world_size=4), batch=5),
+        VerifyCase("gpt-moe", Plan.from_cli(PACKED + ",partition_a2a:k=2", world_size=4), batch=6),
+    ]
+    for case, report in zip(cases, verify(cases, 4, timeout_s=600)):
+        assert report.ok, (case.plan, report.failures, report.max_diff)
 
 
 @pytest.mark.distributed
