@@ -230,3 +230,14 @@ def test_dump_says_what_packing_degree_it_chose_and_why(capsys):
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("# pack_experts layers.0.moe.experts: 2 experts per device (ep=2, degree=auto). Cost model recommends")
     assert "all-to-all" in header and "expert(s) per device" in header
+
+
+@pytest.mark.distributed
+def test_commfx_run_re_places_experts_and_still_trains_pipelines(capsys):
+    """`commfx run` attaches the optimizer for re-placement; a pipelined module (which has no
+    packed experts) trains as before."""
+    from commfx.cli.main import main
+
+    assert main(["run", "gpt-moe-tiny", "--world-size", "2", "--steps", "3", "--passes", f"{PACKED}:replace_every=2"]) == 0
+    assert main(["run", "gpt-moe", "--world-size", "2", "--pp", "2", "--steps", "2", "--passes", "lift,pipeline_split"]) == 0
+    assert capsys.readouterr().out.count("done in") == 2

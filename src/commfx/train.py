@@ -52,7 +52,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         with open(config.dump_path, "w") as f:
             f.write(render(dm.module))
     optimizer = torch.optim.AdamW(dm.parameters(), lr=config.lr)
-    dm.attach_optimizer(optimizer)  # pack_experts:replace_every re-places experts between steps
+    if not pipelined:  # pack_experts:replace_every re-places experts between steps
+        dm.attach_optimizer(optimizer)
     if config.trace_path:
         dm.timeline = Timeline(rank)
         dm.scheduler.dispatcher.history = []
