@@ -270,6 +270,14 @@ def expert_ffn_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of expert_ffn for x, gate_up and down (the hidden layer is recomputed)."""
     hidden = grouped_mm(x, gate_up, counts)  # recomputed: cheaper in memory than saving it
+    return expert_ffn_backward_from_hidden(grad_out, x, hidden, counts, gate_up, down, activation)
+
+
+def expert_ffn_backward_from_hidden(
+    grad_out: torch.Tensor, x: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """expert_ffn_backward given the hidden layer x @ gate_up, for a caller that has it
+    already (pack_experts' backward recomputes it once for the outputs and the gradients)."""
     gate, up = hidden.chunk(2, dim=-1)
     activated = ACTIVATIONS[activation](gate)
     grad_down = grouped_mm_weight_grad(grad_out, activated * up, counts)

@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from ..kernels import packed_experts
+from ..kernels import grouped_mm, packed_experts
 from ..runtime.expert_placement import current_placements
-from .moe import expert_capacity, expert_ffn, expert_ffn_backward, moe_combine_backward, moe_scatter_rows
+from .moe import ACTIVATIONS, expert_capacity, expert_ffn_backward_from_hidden, moe_combine_backward, moe_scatter_rows
 
 # ---------------------------------------------------------------------------- source side
 
@@ -279,11 +279,15 @@ def packed_expert_ffn_backward(
     gate_up: torch.Tensor, down: torch.Tensor, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed_expert_ffn for x, the routing weights and both expert weights: the
-    unfused ops' backwards, on the rows laid out by expert (expert outputs recomputed)."""
+    unfused ops' backwards, on the rows laid out by expert. The hidden layer is recomputed
+    once and serves both the expert outputs (the routing weights' gradient needs them) and
+    the experts' own backward."""
     laid, counts, slot = masked_dispatch(x, local_ids, gate_up.shape[0])
-    expert_out = expert_ffn(laid, counts, gate_up, down, activation)
+    hidden = grouped_mm(laid, gate_up, counts)
+    gate, up = hidden.chunk(2, dim=-1)
+    expert_out = grouped_mm(ACTIVATIONS[activation](gate) * up, down, counts)
     grad_rows, grad_weights = moe_combine_backward(grad_out, expert_out, slot, weights)
-    grad_laid, grad_gate_up, grad_down = expert_ffn_backward(grad_rows, laid, counts, gate_up, down, activation)
+    grad_laid, grad_gate_up, grad_down = expert_ffn_backward_from_hidden(grad_rows, laid, hidden, counts, gate_up, down, activation)
     return moe_scatter_rows(grad_laid, slot, x.shape[0], local_ids.shape[1]), grad_weights, grad_gate_up, grad_down
 
 
