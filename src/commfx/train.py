@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from .models import load_model
+from .ops.locality import LAST_CAPACITY, capacity_report
 from .plan import Plan
 from .runtime.trace import Timeline, rank_trace_path
 
@@ -58,6 +59,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     history = []
     for step in range(config.steps):
         start = time.perf_counter()
+        LAST_CAPACITY.clear()
         dm.scheduler.stats.reset()
         optimizer.zero_grad(set_to_none=True)
         if pipelined:  # forward and backward over micro-batches; the last stage has the loss
@@ -84,6 +86,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
             "seconds": max(g[3] for g in gathered),
             "by_kind": stats.as_dict(),
         }
+        if LAST_CAPACITY:  # locality_gate in capacity mode: LocMoE's floor measured on this rank's batch
+            record["capacity"] = {tag: dict(c) for tag, c in LAST_CAPACITY.items()}
         history.append(record)
         if rank == 0:
             print(
@@ -91,6 +95,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
                 f"bytes {record['bytes']:>10,}  ({record['inter_node_bytes']:,} inter-node)  {elapsed * 1000:.0f} ms",
                 flush=True,
             )
+            if LAST_CAPACITY:
+                print(capacity_report() + "  (rank 0's batch)", flush=True)
     local_params = sum(p.numel() for p in dm.parameters())
     trace = None
     if dm.timeline is not None:

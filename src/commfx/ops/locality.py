@@ -19,6 +19,8 @@ from ..runtime.comm import current_scheduler
 
 # op tag -> (balance loss, locality loss) of the latest forward, for per-step reports
 LAST_AUX_LOSSES: dict[str, tuple[float, float]] = {}
+# op tag -> the latest batch's capacity: delta, floor, configured and used factors, rows per expert
+LAST_CAPACITY: dict[str, dict[str, float]] = {}
 # KL against a one-hot q is infinite off the home node: q keeps this much mass elsewhere
 LOCALITY_SMOOTHING = 0.01
 
@@ -112,6 +114,16 @@ def _(scores, home, k, expert_node, max_nodes, max_remote_fraction):
 def hash_experts(token_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Hash routing (Roller et al.): a fixed multiplicative hash of the token id picks one expert."""
     return ((token_ids.reshape(-1, 1).to(torch.int64) * 2654435761) % (1 << 32)) % num_experts
+
+
+def hash_route(token_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, 1] expert of each token of x by the hash of its id (ids in the same order as x's rows)."""
+    torch._check(
+        token_ids.numel() == x.shape[0],
+        lambda: f"gate=hash routes by token id, but the model's ids hold {token_ids.numel()} tokens and the MoE input "
+        f"{x.shape[0]} rows; use gate=switch for a model whose MoE rows are not its input tokens",
+    )
+    return hash_experts(token_ids, num_experts)
 
 
 # ---------------------------------------------------------------------------- losses
@@ -220,3 +232,48 @@ def gate_cosine(x: torch.Tensor, gate_vectors: torch.Tensor, indices: torch.Tens
     gate = torch.nn.functional.normalize(gate_vectors.detach().to(torch.float64), dim=-1)
     cos = (token.unsqueeze(1) * gate[indices]).sum(-1)
     return float(cos.abs().mean()) if cos.numel() else 0.0
+
+
+def capacity_floor_factor(delta: float, hidden: int, num_experts: int, k: int) -> float:
+    """The floor as a capacity factor (1 = the even share T k / E): n * floor, at most E / k
+    (where every expert may take every token, so nothing is ever dropped)."""
+    return min(num_experts * capacity_floor(delta, hidden, num_experts), num_experts / k)
+
+
+@torch.library.custom_op("commfx::measure_capacity_floor", mutates_args=())
+def measure_capacity_floor(
+    x: torch.Tensor, gate_vectors: torch.Tensor | None, indices: torch.Tensor, num_experts: int, configured: float, tag: str
+) -> torch.Tensor:
+    """float64 scalar: LocMoE's capacity floor as a factor, from δ measured on this batch.
+
+    `gate_vectors` [E, d] are the router's weight rows (None: the GrAP gate's). Records δ, the
+    floor, the configured factor and max(floor, configured) in LAST_CAPACITY[tag]."""
+    from .moe import expert_capacity
+
+    hidden, k = x.shape[-1], indices.shape[-1]
+    gate = grap_gate_vectors(hidden, num_experts) if gate_vectors is None else gate_vectors
+    delta = gate_cosine(x, gate, indices)
+    floor = capacity_floor_factor(delta, hidden, num_experts, k)
+    used = max(configured, floor)
+    LAST_CAPACITY[tag] = {
+        "delta": delta,
+        "floor": floor,
+        "configured": configured,
+        "used": used,
+        "rows_per_expert": expert_capacity(x.shape[0], k, num_experts, used),
+    }
+    return torch.tensor(floor, dtype=torch.float64)
+
+
+@measure_capacity_floor.register_fake
+def _(x, gate_vectors, indices, num_experts, configured, tag):
+    return x.new_empty((), dtype=torch.float64)
+
+
+def capacity_report() -> str:
+    """One line per MoE layer of the latest batch's capacity (empty when no floor is measured)."""
+    return "\n".join(
+        f"  capacity {tag}: delta {c['delta']:.3f}  LocMoE floor {c['floor']:.3f}  configured {c['configured']:g}  "
+        f"-> factor {c['used']:.3f} ({c['rows_per_expert']} rows per expert)"
+        for tag, c in sorted(LAST_CAPACITY.items())
+    )
