@@ -55,18 +55,45 @@ def test_node_limited_routing_never_uses_more_than_m_nodes(num_nodes, per_node, 
     fraction = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) if k <= per_node else 1.0
     home_node = data.draw(st.integers(0, num_nodes - 1))
     seed = data.draw(st.integers(0, 10_000))
+    balance = data.draw(st.sampled_from([0.0, 1.0, 1.2]))
     expert_node = [e // per_node for e in range(num_nodes * per_node)]
     scores = torch.rand(tokens, num_nodes * per_node, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).softmax(-1)
     home = torch.tensor([n == home_node for n in expert_node])
-    indices = locality.node_limited_topk(scores, k, expert_node, home, max_nodes, fraction)
+    indices = locality.node_limited_topk(scores, k, expert_node, home, max_nodes, fraction, balance)
     nodes = torch.tensor(expert_node)[indices]
     for row, row_nodes in zip(indices.tolist(), nodes.tolist()):
         assert len(set(row)) == k  # k distinct experts
         assert len(set(row_nodes)) <= max_nodes
     off_node = int((nodes != home_node).any(1).sum())
     assert off_node <= int(fraction * tokens)
-    if max_nodes == num_nodes and fraction == 1.0:  # no limit: plain top-k
+    if max_nodes == num_nodes and fraction == 1.0 and not balance:  # no limit: plain top-k
         assert torch.equal(indices.sort(1).values, scores.topk(k).indices.sort(1).values)
+
+
+def test_balanced_routing_caps_every_expert_at_balance_times_its_node_mean():
+    g = torch.Generator().manual_seed(0)
+    expert_node = [e // 4 for e in range(8)]
+    home = torch.tensor([n == 0 for n in expert_node])
+    skew = torch.tensor([2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])  # a router that favours experts 0 and 1
+    scores = (torch.randn(128, 8, generator=g, dtype=torch.float64) + skew).softmax(-1)
+    free = locality.node_limited_topk(scores, 2, expert_node, home, 1, 0.25)
+    capped = locality.node_limited_topk(scores, 2, expert_node, home, 1, 0.25, balance=1.2)
+    nodes = torch.tensor(expert_node)
+
+    def node_load(indices):
+        counts = torch.bincount(indices.reshape(-1), minlength=8)
+        return counts, [int(counts[nodes == n].sum()) for n in (0, 1)]
+
+    counts, rows = node_load(capped)
+    assert rows == node_load(free)[1]  # same tokens on each node: the cap moves rows inside a node
+    for e in range(8):  # ceil(1.2 x node rows / 4)
+        assert counts[e] <= math.ceil(1.2 * rows[expert_node[e]] / 4)
+    assert node_load(free)[0].max() > math.ceil(1.2 * rows[0] / 4)  # the cap did something
+    off = (nodes[capped] != 0).any(1)
+    assert torch.equal(off, (nodes[free] != 0).any(1))  # the same tokens leave their node
+    # a token keeps its best choice unless that expert was full of better-scoring tokens
+    kept = (capped == free).all(1).float().mean()
+    assert kept > 0.3
 
 
 def test_loss_injection_leaves_outputs_unchanged_and_adds_the_loss_gradient():

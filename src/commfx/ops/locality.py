@@ -52,7 +52,13 @@ def grap_gate_vectors(d: int, num_experts: int, dtype=torch.float64) -> torch.Te
 
 
 def node_limited_topk(
-    scores: torch.Tensor, k: int, expert_node: list[int], home: torch.Tensor, max_nodes: int, max_remote_fraction: float
+    scores: torch.Tensor,
+    k: int,
+    expert_node: list[int],
+    home: torch.Tensor,
+    max_nodes: int,
+    max_remote_fraction: float,
+    balance: float = 0.0,
 ) -> torch.Tensor:
     """Top-k experts per token on at most `max_nodes` nodes, with at most a fraction of the
     tokens leaving the home node.
@@ -61,7 +67,9 @@ def node_limited_topk(
     (DeepSeek-V3's node-limited routing); top-k then picks among the chosen nodes' experts.
     FasterGate's cap: only the floor(fraction * T) tokens that gain most (summed top-k scores
     over the home-only choice) may route off the home node; the rest choose among home experts.
-    `home` is a bool [E]: the experts on this rank's node. Returns int64 indices [T, k].
+    `home` is a bool [E]: the experts on this rank's node. With `balance` > 0 no expert takes
+    more than `balance` x the mean rows of its node's experts (see `balanced_topk`).
+    Returns int64 indices [T, k].
     """
     tokens, experts = scores.shape
     nodes = torch.tensor(expert_node, device=scores.device)
@@ -82,6 +90,40 @@ def node_limited_topk(
             leaving = gain.topk(min(budget, tokens)).indices
             may_leave[leaving[gain[leaving] > 0]] = True
         allowed = torch.where(may_leave.unsqueeze(1), allowed, home.unsqueeze(0).expand_as(allowed))
+    if balance > 0:
+        return balanced_topk(scores, allowed, k, nodes, on_node, balance)
+    return scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
+
+
+def balanced_topk(
+    scores: torch.Tensor, allowed: torch.Tensor, k: int, nodes: torch.Tensor, on_node: torch.Tensor, balance: float
+) -> torch.Tensor:
+    """Top-k among `allowed` [T, E], where no expert takes more than ceil(balance x the mean
+    rows of its node's experts): an over-full expert keeps its best-scoring tokens, and the
+    others fall back to their next allowed choice (BASE layers' balanced assignment, greedy).
+
+    Only `allowed` shrinks, so node limits and the off-node cap still hold; a token never
+    loses a choice it needs to keep k allowed experts. Per rank, so when both nodes receive
+    the same rows over the ranks, every expert's load over the ranks is <= balance x mean
+    (+ one row per rank from the ceiling)."""
+    tokens, experts = scores.shape
+    experts_per_node = on_node.sum(1).to(scores.dtype)
+    for _ in range(4 * experts):  # each round takes away >= 1 (token, expert) pair; bounded
+        indices = scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
+        picked = torch.zeros_like(allowed).scatter_(1, indices, True)
+        counts = picked.sum(0)
+        node_rows = torch.zeros(on_node.shape[0], dtype=scores.dtype, device=scores.device).index_add_(0, nodes, counts.to(scores.dtype))
+        cap = torch.ceil(balance * node_rows / experts_per_node)[nodes]
+        over = counts > cap
+        if not bool(over.any()):
+            return indices
+        # position of each picked token in its expert's queue, best score first
+        queue = scores.masked_fill(~picked, float("-inf")).argsort(0, descending=True).argsort(0)
+        drop = picked & over.unsqueeze(0) & (queue >= cap.unsqueeze(0))
+        drop &= ((allowed & ~drop).sum(1) >= k).unsqueeze(1)
+        if not bool(drop.any()):
+            return indices
+        allowed = allowed & ~drop
     return scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
 
 
@@ -100,14 +142,20 @@ def _(like, expert_node, rank_node, group):
 
 @torch.library.custom_op("commfx::locality_topk", mutates_args=())
 def locality_topk(
-    scores: torch.Tensor, home: torch.Tensor, k: int, expert_node: list[int], max_nodes: int, max_remote_fraction: float
+    scores: torch.Tensor,
+    home: torch.Tensor,
+    k: int,
+    expert_node: list[int],
+    max_nodes: int,
+    max_remote_fraction: float,
+    balance: float = 0.0,
 ) -> torch.Tensor:
     """`node_limited_topk` as a graph op (indices only: weights are gathered differentiably)."""
-    return node_limited_topk(scores, k, expert_node, home, max_nodes, max_remote_fraction)
+    return node_limited_topk(scores, k, expert_node, home, max_nodes, max_remote_fraction, balance)
 
 
 @locality_topk.register_fake
-def _(scores, home, k, expert_node, max_nodes, max_remote_fraction):
+def _(scores, home, k, expert_node, max_nodes, max_remote_fraction, balance=0.0):
     return scores.new_empty((scores.shape[0], k), dtype=torch.int64)
 
 

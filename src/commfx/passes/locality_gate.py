@@ -8,7 +8,8 @@ token's node while staying balanced. This pass substitutes each lifted `topk_rou
   the model's router, `gate=switch`) and hash (a fixed hash of the token id, `gate=hash`);
 - the choice (hard locality): each token's experts on at most `max_nodes` nodes, chosen by
   the summed top scores per node (DeepSeek-V3), and at most `max_remote_fraction` of the
-  tokens off their node (FastMoE's FasterGate); both hold from the first step;
+  tokens off their node (FastMoE's FasterGate); both hold from the first step; and no expert
+  over `balance` x its node's mean rows (a token falls back to its next allowed expert);
 - the losses (soft locality): alpha * E * sum f_i P_i and mu * KL(p_node || node-local), sent
   into backward by an identity op, so outputs do not change (`ops/locality.py`);
 - the capacity (capacity mode, `expert_parallel:capacity_factor>0`): LocMoE's floor
@@ -77,6 +78,7 @@ class LocalityGate(Pass):
         max_remote_fraction: float = 0.25  # at most this fraction of a rank's tokens leaves its node (1: no cap)
         alpha: float = 0.01  # load-balancing loss weight (0: off)
         mu: float = 0.01  # locality loss weight (0: off)
+        balance: float = 1.2  # no expert takes more than this x its node's mean rows (0: off; balanced_topk)
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -90,6 +92,8 @@ class LocalityGate(Pass):
             raise PlanError(f"locality_gate max_remote_fraction must be in [0, 1], got {options.max_remote_fraction}")
         if options.max_nodes < 0 or options.alpha < 0 or options.mu < 0:
             raise PlanError("locality_gate max_nodes, alpha and mu must be >= 0")
+        if options.balance and options.balance < 1:
+            raise PlanError(f"locality_gate balance={options.balance:g} caps experts below their mean load, which no routing can meet; use >= 1 (0: off)")
         topology = plan.topology
         nodes = len(set(expert_nodes(topology, topology.expert_parallel_size)[1]))
         if options.gate not in BASELINES and nodes < 2:
@@ -191,8 +195,12 @@ def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, dispatch: fx.Node
         else:
             home = make(commfx.home_experts.default, (probs, expert_node, rank_node, "ep"), "experts on this rank's node")
             chosen = make("detach", (probs,), op="call_method")
-            purpose = "switch top-1" if switch else f"top-{k} on <= {max_nodes} node(s), <= {fraction:g} of tokens off-node"
-            indices = make(commfx.locality_topk.default, (chosen, home, k_used, expert_node, max_nodes, fraction), purpose)
+            balance = 0.0 if switch else float(options.balance)
+            purpose = "switch top-1" if switch else (
+                f"top-{k} on <= {max_nodes} node(s), <= {fraction:g} of tokens off-node"
+                + (f", <= {balance:g} x node mean rows per expert" if balance else "")
+            )
+            indices = make(commfx.locality_topk.default, (chosen, home, k_used, expert_node, max_nodes, fraction, balance), purpose)
         weights = make(routing_weights, (probs, indices, normalize), "chosen experts' weights")
         if configured > 0 and options.gate != "hash":
             tokens = make("detach", (x,), op="call_method")
