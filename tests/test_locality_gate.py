@@ -138,6 +138,7 @@ def test_golden_locality_gate_graph():
         ("lift,locality_gate,expert_parallel", 0, "no nodes"),
         ("lift,locality_gate,expert_parallel", 4, "one node holding all"),
         ("lift,locality_gate:gate=hashed,expert_parallel", 2, "is not one of"),
+        ("lift,locality_gate:balance=0.5,expert_parallel", 2, "caps experts below their mean load"),
     ],
 )
 def test_plans_locality_gate_cannot_run_are_clear_errors(passes, ranks_per_node, message):
