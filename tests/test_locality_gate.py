@@ -193,9 +193,12 @@ def test_dispatch_uses_the_larger_of_floor_and_configured_capacity():
 
 
 def test_capacity_mode_graph_measures_the_floor_and_dump_shows_both_factors():
+    from test_golden import check_golden
+
     model, inputs = load_model("gpt-moe-tiny")
     plan = Plan.from_cli("lift,locality_gate,expert_parallel:capacity_factor=1.25", world_size=4, ranks_per_node=2)
     text = render(compile_program(model, plan, inputs).gm)
+    check_golden({"distributed": text}, "gpt-moe-tiny.ep4.2x2.locality_gate.capacity", ("distributed",))
     assert text.count("commfx.measure_capacity_floor(") == 1
     assert "moe_dispatch(%x, %locality_topk_default, 4, 1.25, capacity_floor=%measure_capacity_floor_default)" in text
     assert "LocMoE floor" in text and "configured 1.25" in text
