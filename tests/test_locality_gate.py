@@ -117,6 +117,8 @@ def test_loss_injection_leaves_outputs_unchanged_and_adds_the_loss_gradient():
     (want,) = torch.autograd.grad((plain * probe).sum() + losses.sum(), logits)
     assert (got - want).abs().max() <= 1e-12
     assert locality.LAST_AUX_LOSSES["test"] == pytest.approx(losses.tolist())
+    balance, local = losses.tolist()
+    assert f"aux losses test: balance {balance:.4f}  locality {local:.4f}" in locality.aux_loss_report()
     assert losses[1] > 0  # home is node 1, the batch's mass is spread: the locality loss is on
 
 

@@ -318,6 +318,14 @@ def _(x, gate_vectors, indices, num_experts, configured, tag):
     return x.new_empty((), dtype=torch.float64)
 
 
+def aux_loss_report() -> str:
+    """One line per MoE layer of the latest forward's auxiliary losses (empty without locality_gate)."""
+    return "\n".join(
+        f"  aux losses {tag}: balance {balance:.4f}  locality {locality:.4f}"
+        for tag, (balance, locality) in sorted(LAST_AUX_LOSSES.items())
+    )
+
+
 def capacity_report() -> str:
     """One line per MoE layer of the latest batch's capacity (empty when no floor is measured)."""
     return "\n".join(
