@@ -1,8 +1,9 @@
-"""LocMoE on the emulated 2 nodes x 2 ranks (4 gloo ranks on this machine): inter-node
-all-to-all bytes per step, expert load max/mean, and the final training loss on
-pydoc_data.topics bytes, for plain top-k, switch, and locality_gate (flat and hierarchical).
+"""LocMoE on 2 nodes x 2 ranks (4 gloo ranks on this machine): inter-node all-to-all bytes
+per step, expert load max/mean, and the final training loss on pydoc_data.topics bytes, for
+plain top-k, switch, hash and locality_gate (soft and hard), each with the flat and the
+hierarchical all-to-all. Step times come from `commfx bench` (interleaved; see RESULTS.md).
 
-    .venv/bin/python benchmarks/locmoe.py --steps 150
+    .venv/bin/python benchmarks/locmoe.py --steps 300 --json benchmarks/locmoe.json
 
 Bytes are exact (counted by the comm scheduler), whatever the CPU load. Every plan trains the
 same model (same seed) on the same byte windows (same seed)."""
@@ -14,13 +15,15 @@ import json
 import sys
 from pathlib import Path
 
-PLANS = {
+ROUTERS = {
     "plain top-2": "lift,expert_parallel",
-    "switch (top-1)": "lift,locality_gate:gate=switch;alpha=0.01;mu=0,expert_parallel",
-    "locality_gate": "lift,locality_gate,expert_parallel",
-    "locality_gate + hierarchical": "lift,locality_gate,expert_parallel,hierarchical_a2a",
-    "plain top-2 + hierarchical": "lift,expert_parallel,hierarchical_a2a",
+    "switch (top-1)": "lift,locality_gate:gate=switch;mu=0,expert_parallel",
+    "hash": "lift,locality_gate:gate=hash,expert_parallel",
+    "locality_gate soft": "lift,locality_gate:max_nodes=0;max_remote_fraction=1;balance=0,expert_parallel",
+    "locality_gate hard (defaults)": "lift,locality_gate,expert_parallel",
 }
+# Each router with the flat and the hierarchical all-to-all (lossless: same losses, fewer bytes).
+PLANS = {**ROUTERS, **{f"{label} + hierarchical": f"{passes},hierarchical_a2a" for label, passes in ROUTERS.items()}}
 
 
 def corpus_batches(steps: int, batch: int, seq: int, seed: int):
@@ -101,14 +104,19 @@ def main() -> None:
     from commfx.runtime.launcher import launch
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--json", default="")
+    parser.add_argument("--only", default="", help="run only the plans whose label contains one of these comma-separated words")
+    parser.add_argument("--plan", action="append", default=[], metavar="LABEL=PASSES", help="an extra plan (repeatable)")
     args = parser.parse_args()
+    plans = {**PLANS, **dict(p.split("=", 1) for p in args.plan)}
+    if args.only:
+        plans = {label: passes for label, passes in plans.items() if label == "plain top-2" or any(w in label for w in args.only.split(","))}
     sys.path.insert(0, str(Path(__file__).parent))
     results = {}
-    for label, passes in PLANS.items():
+    for label, passes in plans.items():
         ranks = launch("locmoe:worker", 4, {"passes": passes, "steps": args.steps, "batch": args.batch, "seq": args.seq}, timeout_s=1200)
         results[label] = summarize(ranks)
         print(label, json.dumps(results[label]), flush=True)

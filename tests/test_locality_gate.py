@@ -55,18 +55,45 @@ def test_node_limited_routing_never_uses_more_than_m_nodes(num_nodes, per_node, 
     fraction = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) if k <= per_node else 1.0
     home_node = data.draw(st.integers(0, num_nodes - 1))
     seed = data.draw(st.integers(0, 10_000))
+    balance = data.draw(st.sampled_from([0.0, 1.0, 1.2]))
     expert_node = [e // per_node for e in range(num_nodes * per_node)]
     scores = torch.rand(tokens, num_nodes * per_node, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).softmax(-1)
     home = torch.tensor([n == home_node for n in expert_node])
-    indices = locality.node_limited_topk(scores, k, expert_node, home, max_nodes, fraction)
+    indices = locality.node_limited_topk(scores, k, expert_node, home, max_nodes, fraction, balance)
     nodes = torch.tensor(expert_node)[indices]
     for row, row_nodes in zip(indices.tolist(), nodes.tolist()):
         assert len(set(row)) == k  # k distinct experts
         assert len(set(row_nodes)) <= max_nodes
     off_node = int((nodes != home_node).any(1).sum())
     assert off_node <= int(fraction * tokens)
-    if max_nodes == num_nodes and fraction == 1.0:  # no limit: plain top-k
+    if max_nodes == num_nodes and fraction == 1.0 and not balance:  # no limit: plain top-k
         assert torch.equal(indices.sort(1).values, scores.topk(k).indices.sort(1).values)
+
+
+def test_balanced_routing_caps_every_expert_at_balance_times_its_node_mean():
+    g = torch.Generator().manual_seed(0)
+    expert_node = [e // 4 for e in range(8)]
+    home = torch.tensor([n == 0 for n in expert_node])
+    skew = torch.tensor([2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])  # a router that favours experts 0 and 1
+    scores = (torch.randn(128, 8, generator=g, dtype=torch.float64) + skew).softmax(-1)
+    free = locality.node_limited_topk(scores, 2, expert_node, home, 1, 0.25)
+    capped = locality.node_limited_topk(scores, 2, expert_node, home, 1, 0.25, balance=1.2)
+    nodes = torch.tensor(expert_node)
+
+    def node_load(indices):
+        counts = torch.bincount(indices.reshape(-1), minlength=8)
+        return counts, [int(counts[nodes == n].sum()) for n in (0, 1)]
+
+    counts, rows = node_load(capped)
+    assert rows == node_load(free)[1]  # same tokens on each node: the cap moves rows inside a node
+    for e in range(8):  # ceil(1.2 x node rows / 4)
+        assert counts[e] <= math.ceil(1.2 * rows[expert_node[e]] / 4)
+    assert node_load(free)[0].max() > math.ceil(1.2 * rows[0] / 4)  # the cap did something
+    off = (nodes[capped] != 0).any(1)
+    assert torch.equal(off, (nodes[free] != 0).any(1))  # the same tokens leave their node
+    # a token keeps its best choice unless that expert was full of better-scoring tokens
+    kept = (capped == free).all(1).float().mean()
+    assert kept > 0.3
 
 
 def test_loss_injection_leaves_outputs_unchanged_and_adds_the_loss_gradient():
@@ -90,6 +117,8 @@ def test_loss_injection_leaves_outputs_unchanged_and_adds_the_loss_gradient():
     (want,) = torch.autograd.grad((plain * probe).sum() + losses.sum(), logits)
     assert (got - want).abs().max() <= 1e-12
     assert locality.LAST_AUX_LOSSES["test"] == pytest.approx(losses.tolist())
+    balance, local = losses.tolist()
+    assert f"aux losses test: balance {balance:.4f}  locality {local:.4f}" in locality.aux_loss_report()
     assert losses[1] > 0  # home is node 1, the batch's mass is spread: the locality loss is on
 
 
@@ -111,6 +140,7 @@ def test_golden_locality_gate_graph():
         ("lift,locality_gate,expert_parallel", 0, "no nodes"),
         ("lift,locality_gate,expert_parallel", 4, "one node holding all"),
         ("lift,locality_gate:gate=hashed,expert_parallel", 2, "is not one of"),
+        ("lift,locality_gate:balance=0.5,expert_parallel", 2, "caps experts below their mean load"),
     ],
 )
 def test_plans_locality_gate_cannot_run_are_clear_errors(passes, ranks_per_node, message):
@@ -123,3 +153,69 @@ def test_grap_on_a_hidden_size_the_experts_do_not_divide_is_a_clear_error():
     plan = Plan.from_cli("lift,locality_gate:gate=grap,expert_parallel", world_size=4, ranks_per_node=2)
     with pytest.raises(PlanError, match="hidden size 36 into 8 groups"):
         check_plan(plan, model)
+
+
+def test_measured_capacity_floor_against_hand_computed_values():
+    # gate vectors e1, e2, e3 (d = 3, n = 3): a token's cosine with its expert is one coordinate over its norm
+    x = torch.tensor([[1.0, 0.0, 2.0], [0.0, 1.0, 3.0]], dtype=torch.float64)
+    gate = torch.eye(3, dtype=torch.float64) * 5.0  # the norm of a gate vector does not matter
+    indices = torch.tensor([[0], [1]])
+    delta = (1 / math.sqrt(5) + 1 / math.sqrt(10)) / 2  # 0.38172
+    # d = 3: floor = 1 / (n (1 - δ)); as a capacity factor n * floor = 1 / (1 - δ) = 1.6174
+    factor = 1 / (1 - delta)
+    floor = commfx_ops.measure_capacity_floor(x, gate, indices, 3, 1.25, "hand")
+    assert float(floor) == pytest.approx(factor, rel=1e-9)
+    record = locality.LAST_CAPACITY["hand"]
+    assert record["delta"] == pytest.approx(delta, rel=1e-12)
+    assert record["used"] == pytest.approx(factor) and record["configured"] == 1.25
+    assert record["rows_per_expert"] == math.ceil(factor * 2 * 1 / 3) == 2
+    assert "delta 0.382  LocMoE floor 1.617  configured 1.25  -> factor 1.617 (2 rows per expert)" in locality.capacity_report()
+    # a configured factor above the floor wins
+    commfx_ops.measure_capacity_floor(x, gate, indices, 3, 2.5, "hand")
+    assert locality.LAST_CAPACITY["hand"]["used"] == 2.5
+    # at most E / k: then every expert may take every token
+    aligned = torch.tensor([[1.0, 0.01, 0.0], [0.0, 1.0, 0.01]], dtype=torch.float64)
+    assert float(commfx_ops.measure_capacity_floor(aligned, gate, indices, 3, 1.0, "hand")) == 3.0
+    # GrAP (no weights): expert 0's gate vector averages units 0, 1 of d = 4
+    token = torch.tensor([[2.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    commfx_ops.measure_capacity_floor(token, None, torch.tensor([[0]]), 2, 1.0, "grap")
+    assert locality.LAST_CAPACITY["grap"]["delta"] == pytest.approx(1 / math.sqrt(2), rel=1e-12)
+    assert locality.LAST_CAPACITY["grap"]["floor"] == pytest.approx(min(2 * locality.capacity_floor(1 / math.sqrt(2), 4, 2), 2.0))
+
+
+def test_dispatch_uses_the_larger_of_floor_and_configured_capacity():
+    x = torch.arange(12.0).reshape(6, 2)
+    indices = torch.tensor([[0], [0], [0], [0], [1], [0]])
+    for configured, floor, rows in [(1.0, 2.0, 6), (2.0, 1.0, 6), (1.0, 0.5, 3), (0.0, 2.0, 6)]:
+        out, counts, slot = commfx_ops.moe_dispatch(x, indices, 2, configured, capacity_floor=torch.tensor(floor, dtype=torch.float64))
+        assert out.shape[0] == (rows * 2 if configured > 0 else 6)  # dropless (0) ignores the floor
+        if configured > 0:
+            assert counts.tolist() == [rows, rows]
+            assert int((slot >= 0).sum()) == min(5, rows) + 1  # expert 0 keeps `rows` of its 5 tokens
+
+
+def test_capacity_mode_graph_measures_the_floor_and_dump_shows_both_factors():
+    from test_golden import check_golden
+
+    model, inputs = load_model("gpt-moe-tiny")
+    plan = Plan.from_cli("lift,locality_gate,expert_parallel:capacity_factor=1.25", world_size=4, ranks_per_node=2)
+    text = render(compile_program(model, plan, inputs).gm)
+    check_golden({"distributed": text}, "gpt-moe-tiny.ep4.2x2.locality_gate.capacity", ("distributed",))
+    assert text.count("commfx.measure_capacity_floor(") == 1
+    assert "moe_dispatch(%x, %locality_topk_default, 4, 1.25, capacity_floor=%measure_capacity_floor_default)" in text
+    assert "LocMoE floor" in text and "configured 1.25" in text
+
+
+def test_hash_and_switch_baselines():
+    model, inputs = load_model("gpt-moe-tiny")
+    for gate, routed in [("hash", "commfx.ops.locality.hash_route(%l_input_ids_, %x, 4)"), ("switch", "commfx.locality_topk(%detach, %home_experts_default, 1,")]:
+        plan = Plan.from_cli(f"lift,locality_gate:gate={gate},expert_parallel", world_size=4)  # no nodes needed
+        check_plan(plan, model)
+        text = render(compile_program(model, plan, inputs).gm)
+        assert routed in text
+    ids = torch.tensor([[3, 7, 3], [0, 1, 7]])
+    got = locality.hash_route(ids, torch.zeros(6, 2), 4)
+    assert got.shape == (6, 1) and torch.equal(got[0], got[2]) and torch.equal(got[1], got[5])
+    assert got.reshape(-1).tolist() == [(i * 2654435761 % 2**32) % 4 for i in ids.reshape(-1).tolist()]
+    with pytest.raises(RuntimeError, match="ids hold 6 tokens and the MoE input 5 rows"):
+        locality.hash_route(ids, torch.zeros(5, 2), 4)

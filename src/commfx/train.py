@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from .models import load_model
+from .ops.locality import LAST_AUX_LOSSES, LAST_CAPACITY, aux_loss_report, capacity_report
 from .plan import Plan
 from .runtime.trace import Timeline, rank_trace_path
 
@@ -60,6 +61,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     history = []
     for step in range(config.steps):
         start = time.perf_counter()
+        LAST_CAPACITY.clear()
+        LAST_AUX_LOSSES.clear()
         dm.scheduler.stats.reset()
         optimizer.zero_grad(set_to_none=True)
         if pipelined:  # forward and backward over micro-batches; the last stage has the loss
@@ -86,6 +89,10 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
             "seconds": max(g[3] for g in gathered),
             "by_kind": stats.as_dict(),
         }
+        if LAST_CAPACITY:  # locality_gate in capacity mode: LocMoE's floor measured on this rank's batch
+            record["capacity"] = {tag: dict(c) for tag, c in LAST_CAPACITY.items()}
+        if LAST_AUX_LOSSES:  # locality_gate's balance and locality losses (in the gradient, not in `loss`)
+            record["aux_losses"] = {tag: list(v) for tag, v in LAST_AUX_LOSSES.items()}
         history.append(record)
         if rank == 0:
             print(
@@ -93,6 +100,10 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
                 f"bytes {record['bytes']:>10,}  ({record['inter_node_bytes']:,} inter-node)  {elapsed * 1000:.0f} ms",
                 flush=True,
             )
+            if LAST_AUX_LOSSES:
+                print(aux_loss_report() + "  (rank 0's batch)", flush=True)
+            if LAST_CAPACITY:
+                print(capacity_report() + "  (rank 0's batch)", flush=True)
     local_params = sum(p.numel() for p in dm.parameters())
     trace = None
     if dm.timeline is not None:

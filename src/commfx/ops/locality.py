@@ -19,6 +19,8 @@ from ..runtime.comm import current_scheduler
 
 # op tag -> (balance loss, locality loss) of the latest forward, for per-step reports
 LAST_AUX_LOSSES: dict[str, tuple[float, float]] = {}
+# op tag -> the latest batch's capacity: delta, floor, configured and used factors, rows per expert
+LAST_CAPACITY: dict[str, dict[str, float]] = {}
 # KL against a one-hot q is infinite off the home node: q keeps this much mass elsewhere
 LOCALITY_SMOOTHING = 0.01
 
@@ -50,7 +52,13 @@ def grap_gate_vectors(d: int, num_experts: int, dtype=torch.float64) -> torch.Te
 
 
 def node_limited_topk(
-    scores: torch.Tensor, k: int, expert_node: list[int], home: torch.Tensor, max_nodes: int, max_remote_fraction: float
+    scores: torch.Tensor,
+    k: int,
+    expert_node: list[int],
+    home: torch.Tensor,
+    max_nodes: int,
+    max_remote_fraction: float,
+    balance: float = 0.0,
 ) -> torch.Tensor:
     """Top-k experts per token on at most `max_nodes` nodes, with at most a fraction of the
     tokens leaving the home node.
@@ -59,7 +67,9 @@ def node_limited_topk(
     (DeepSeek-V3's node-limited routing); top-k then picks among the chosen nodes' experts.
     FasterGate's cap: only the floor(fraction * T) tokens that gain most (summed top-k scores
     over the home-only choice) may route off the home node; the rest choose among home experts.
-    `home` is a bool [E]: the experts on this rank's node. Returns int64 indices [T, k].
+    `home` is a bool [E]: the experts on this rank's node. With `balance` > 0 no expert takes
+    more than `balance` x the mean rows of its node's experts (see `balanced_topk`).
+    Returns int64 indices [T, k].
     """
     tokens, experts = scores.shape
     nodes = torch.tensor(expert_node, device=scores.device)
@@ -80,6 +90,40 @@ def node_limited_topk(
             leaving = gain.topk(min(budget, tokens)).indices
             may_leave[leaving[gain[leaving] > 0]] = True
         allowed = torch.where(may_leave.unsqueeze(1), allowed, home.unsqueeze(0).expand_as(allowed))
+    if balance > 0:
+        return balanced_topk(scores, allowed, k, nodes, on_node, balance)
+    return scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
+
+
+def balanced_topk(
+    scores: torch.Tensor, allowed: torch.Tensor, k: int, nodes: torch.Tensor, on_node: torch.Tensor, balance: float
+) -> torch.Tensor:
+    """Top-k among `allowed` [T, E], where no expert takes more than ceil(balance x the mean
+    rows of its node's experts): an over-full expert keeps its best-scoring tokens, and the
+    others fall back to their next allowed choice (BASE layers' balanced assignment, greedy).
+
+    Only `allowed` shrinks, so node limits and the off-node cap still hold; a token never
+    loses a choice it needs to keep k allowed experts. Per rank, so when both nodes receive
+    the same rows over the ranks, every expert's load over the ranks is <= balance x mean
+    (+ one row per rank from the ceiling)."""
+    tokens, experts = scores.shape
+    experts_per_node = on_node.sum(1).to(scores.dtype)
+    for _ in range(4 * experts):  # each round takes away >= 1 (token, expert) pair; bounded
+        indices = scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
+        picked = torch.zeros_like(allowed).scatter_(1, indices, True)
+        counts = picked.sum(0)
+        node_rows = torch.zeros(on_node.shape[0], dtype=scores.dtype, device=scores.device).index_add_(0, nodes, counts.to(scores.dtype))
+        cap = torch.ceil(balance * node_rows / experts_per_node)[nodes]
+        over = counts > cap
+        if not bool(over.any()):
+            return indices
+        # position of each picked token in its expert's queue, best score first
+        queue = scores.masked_fill(~picked, float("-inf")).argsort(0, descending=True).argsort(0)
+        drop = picked & over.unsqueeze(0) & (queue >= cap.unsqueeze(0))
+        drop &= ((allowed & ~drop).sum(1) >= k).unsqueeze(1)
+        if not bool(drop.any()):
+            return indices
+        allowed = allowed & ~drop
     return scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
 
 
@@ -98,20 +142,36 @@ def _(like, expert_node, rank_node, group):
 
 @torch.library.custom_op("commfx::locality_topk", mutates_args=())
 def locality_topk(
-    scores: torch.Tensor, home: torch.Tensor, k: int, expert_node: list[int], max_nodes: int, max_remote_fraction: float
+    scores: torch.Tensor,
+    home: torch.Tensor,
+    k: int,
+    expert_node: list[int],
+    max_nodes: int,
+    max_remote_fraction: float,
+    balance: float = 0.0,
 ) -> torch.Tensor:
     """`node_limited_topk` as a graph op (indices only: weights are gathered differentiably)."""
-    return node_limited_topk(scores, k, expert_node, home, max_nodes, max_remote_fraction)
+    return node_limited_topk(scores, k, expert_node, home, max_nodes, max_remote_fraction, balance)
 
 
 @locality_topk.register_fake
-def _(scores, home, k, expert_node, max_nodes, max_remote_fraction):
+def _(scores, home, k, expert_node, max_nodes, max_remote_fraction, balance=0.0):
     return scores.new_empty((scores.shape[0], k), dtype=torch.int64)
 
 
 def hash_experts(token_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Hash routing (Roller et al.): a fixed multiplicative hash of the token id picks one expert."""
     return ((token_ids.reshape(-1, 1).to(torch.int64) * 2654435761) % (1 << 32)) % num_experts
+
+
+def hash_route(token_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, 1] expert of each token of x by the hash of its id (ids in the same order as x's rows)."""
+    torch._check(
+        token_ids.numel() == x.shape[0],
+        lambda: f"gate=hash routes by token id, but the model's ids hold {token_ids.numel()} tokens and the MoE input "
+        f"{x.shape[0]} rows; use gate=switch for a model whose MoE rows are not its input tokens",
+    )
+    return hash_experts(token_ids, num_experts)
 
 
 # ---------------------------------------------------------------------------- losses
@@ -220,3 +280,56 @@ def gate_cosine(x: torch.Tensor, gate_vectors: torch.Tensor, indices: torch.Tens
     gate = torch.nn.functional.normalize(gate_vectors.detach().to(torch.float64), dim=-1)
     cos = (token.unsqueeze(1) * gate[indices]).sum(-1)
     return float(cos.abs().mean()) if cos.numel() else 0.0
+
+
+def capacity_floor_factor(delta: float, hidden: int, num_experts: int, k: int) -> float:
+    """The floor as a capacity factor (1 = the even share T k / E): n * floor, at most E / k
+    (where every expert may take every token, so nothing is ever dropped)."""
+    return min(num_experts * capacity_floor(delta, hidden, num_experts), num_experts / k)
+
+
+@torch.library.custom_op("commfx::measure_capacity_floor", mutates_args=())
+def measure_capacity_floor(
+    x: torch.Tensor, gate_vectors: torch.Tensor | None, indices: torch.Tensor, num_experts: int, configured: float, tag: str
+) -> torch.Tensor:
+    """float64 scalar: LocMoE's capacity floor as a factor, from δ measured on this batch.
+
+    `gate_vectors` [E, d] are the router's weight rows (None: the GrAP gate's). Records δ, the
+    floor, the configured factor and max(floor, configured) in LAST_CAPACITY[tag]."""
+    from .moe import expert_capacity
+
+    hidden, k = x.shape[-1], indices.shape[-1]
+    gate = grap_gate_vectors(hidden, num_experts) if gate_vectors is None else gate_vectors
+    delta = gate_cosine(x, gate, indices)
+    floor = capacity_floor_factor(delta, hidden, num_experts, k)
+    used = max(configured, floor)
+    LAST_CAPACITY[tag] = {
+        "delta": delta,
+        "floor": floor,
+        "configured": configured,
+        "used": used,
+        "rows_per_expert": expert_capacity(x.shape[0], k, num_experts, used),
+    }
+    return torch.tensor(floor, dtype=torch.float64)
+
+
+@measure_capacity_floor.register_fake
+def _(x, gate_vectors, indices, num_experts, configured, tag):
+    return x.new_empty((), dtype=torch.float64)
+
+
+def aux_loss_report() -> str:
+    """One line per MoE layer of the latest forward's auxiliary losses (empty without locality_gate)."""
+    return "\n".join(
+        f"  aux losses {tag}: balance {balance:.4f}  locality {locality:.4f}"
+        for tag, (balance, locality) in sorted(LAST_AUX_LOSSES.items())
+    )
+
+
+def capacity_report() -> str:
+    """One line per MoE layer of the latest batch's capacity (empty when no floor is measured)."""
+    return "\n".join(
+        f"  capacity {tag}: delta {c['delta']:.3f}  LocMoE floor {c['floor']:.3f}  configured {c['configured']:g}  "
+        f"-> factor {c['used']:.3f} ({c['rows_per_expert']} rows per expert)"
+        for tag, c in sorted(LAST_CAPACITY.items())
+    )

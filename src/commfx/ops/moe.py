@@ -95,7 +95,11 @@ def expert_capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: 
 
 @torch.library.custom_op("commfx::moe_dispatch", mutates_args=())
 def moe_dispatch(
-    x: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity_factor: float
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    num_experts: int,
+    capacity_factor: float,
+    capacity_floor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lay tokens out by expert: (rows [R,H], counts [E], slot [N*k]).
 
@@ -103,13 +107,23 @@ def moe_dispatch(
     C = expert_capacity(...) rows (R = E*C, zero rows pad); assignments past an expert's
     capacity are dropped in token order (earlier tokens keep their place), contribute
     nothing to the output and the token's other weights are not renormalised: the
-    residual connection carries a dropped token.
+    residual connection carries a dropped token. `capacity_floor` (a scalar tensor measured
+    from the batch, e.g. LocMoE's bound) raises the factor in capacity mode: the factor used
+    is max(capacity_factor, capacity_floor); dropless mode ignores it.
     """
-    row_token, counts, slot = _dispatch_layout(indices, num_experts, capacity_factor)
+    factor = effective_capacity_factor(capacity_factor, capacity_floor)
+    row_token, counts, slot = _dispatch_layout(indices, num_experts, factor)
     rows = x.new_zeros((row_token.shape[0], x.shape[1]))
     valid = row_token >= 0
     rows[valid] = x[row_token[valid]]
     return rows, counts, slot
+
+
+def effective_capacity_factor(capacity_factor: float, capacity_floor: torch.Tensor | None) -> float:
+    """max(configured factor, measured floor) in capacity mode; dropless (<= 0) stays dropless."""
+    if capacity_factor <= 0 or capacity_floor is None:
+        return capacity_factor
+    return max(capacity_factor, float(capacity_floor))
 
 
 def _dispatch_layout(indices: torch.Tensor, num_experts: int, capacity_factor: float):
@@ -136,7 +150,7 @@ def _dispatch_layout(indices: torch.Tensor, num_experts: int, capacity_factor: f
 
 
 @moe_dispatch.register_fake
-def _(x, indices, num_experts, capacity_factor):
+def _(x, indices, num_experts, capacity_factor, capacity_floor=None):
     n, k = indices.shape
     rows = n * k if capacity_factor <= 0 else torch.library.get_ctx().new_dynamic_size()
     return (
@@ -147,14 +161,14 @@ def _(x, indices, num_experts, capacity_factor):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, indices, _, _ = inputs
+    x, indices = inputs[:2]
     ctx.save_for_backward(output[2])
     ctx.num_tokens, ctx.k = x.shape[0], indices.shape[1]
 
 
 def _dispatch_backward(ctx, grad_rows, grad_counts, grad_slot):
     (slot,) = ctx.saved_tensors
-    return moe_scatter_rows(grad_rows, slot, ctx.num_tokens, ctx.k), None, None, None
+    return moe_scatter_rows(grad_rows, slot, ctx.num_tokens, ctx.k), None, None, None, None
 
 
 moe_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

@@ -4,16 +4,24 @@ LocMoE turns inter-node all-to-all into intra-node traffic by a gate that prefer
 token's node while staying balanced. This pass substitutes each lifted `topk_router`:
 
 - the scores: the model's own softmax (`gate=model`), LocMoE's fixed GrAP gate
-  (`gate=grap`), or the switch (top-1) baseline (`gate=switch`, no locality);
+  (`gate=grap`), or the baselines LocMoE compares with, without locality: switch (top-1 of
+  the model's router, `gate=switch`) and hash (a fixed hash of the token id, `gate=hash`);
 - the choice (hard locality): each token's experts on at most `max_nodes` nodes, chosen by
   the summed top scores per node (DeepSeek-V3), and at most `max_remote_fraction` of the
-  tokens off their node (FastMoE's FasterGate); both hold from the first step;
+  tokens off their node (FastMoE's FasterGate); both hold from the first step; and no expert
+  over `balance` x its node's mean rows (a token falls back to its next allowed expert);
 - the losses (soft locality): alpha * E * sum f_i P_i and mu * KL(p_node || node-local), sent
-  into backward by an identity op, so outputs do not change (`ops/locality.py`).
+  into backward by an identity op, so outputs do not change (`ops/locality.py`);
+- the capacity (capacity mode, `expert_parallel:capacity_factor>0`): LocMoE's floor
+  1 / (n (1 - I_{δ²}(½, (d-1)/2))), δ the mean |cos| between each token and its experts'
+  gate vectors measured on every batch, raises the configured factor: the dispatch uses
+  max(floor, configured) (as a factor: n x floor, 1 = the even share).
 
-The default (model scores, 1 node, a quarter of the tokens may leave) keeps inter-node
-dispatch + combine rows at most a quarter of the tokens x k, half of plain top-k's expected
-(N-1)/N x k at 2 nodes. Lossy: it changes which experts run; see benchmarks/RESULTS.md.
+The defaults (model scores, <= 2 nodes per token, 30% of the tokens may leave, balance 1.2)
+hold from the first step, without the losses: at most 0.3 x k off-node rows per token
+(0.6 of plain top-k's (N-1)/N x k at 2 nodes, uniform); measured 0.41x plain top-k's
+inter-node bytes at step 1, load max/mean 1.22, final loss +0.9% (benchmarks/RESULTS.md).
+Lossy: it changes which experts run.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ from .lift import find_experts_modules
 
 commfx = torch.ops.commfx
 PASS = "locality_gate"
-GATES = ("model", "grap", "switch")
+GATES = ("model", "grap", "switch", "hash")
+BASELINES = ("switch", "hash")  # top-1, no locality
 
 
 def expert_nodes(topology: Topology, num_experts: int) -> tuple[list[int], list[int]]:
@@ -66,11 +75,12 @@ class LocalityGate(Pass):
 
     @dataclasses.dataclass(frozen=True)
     class Options:
-        gate: str = "model"  # model | grap | switch
-        max_nodes: int = 1  # each token's experts on at most this many nodes (0: no limit)
-        max_remote_fraction: float = 0.25  # at most this fraction of a rank's tokens leaves its node (1: no cap)
+        gate: str = "model"  # model | grap | switch | hash
+        max_nodes: int = 2  # each token's experts on at most this many nodes (0: no limit)
+        max_remote_fraction: float = 0.3  # at most this fraction of a rank's tokens leaves its node (1: no cap)
         alpha: float = 0.01  # load-balancing loss weight (0: off)
         mu: float = 0.01  # locality loss weight (0: off)
+        balance: float = 1.2  # no expert takes more than this x its node's mean rows (0: off; balanced_topk)
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -84,15 +94,17 @@ class LocalityGate(Pass):
             raise PlanError(f"locality_gate max_remote_fraction must be in [0, 1], got {options.max_remote_fraction}")
         if options.max_nodes < 0 or options.alpha < 0 or options.mu < 0:
             raise PlanError("locality_gate max_nodes, alpha and mu must be >= 0")
+        if options.balance and options.balance < 1:
+            raise PlanError(f"locality_gate balance={options.balance:g} caps experts below their mean load, which no routing can meet; use >= 1 (0: off)")
         topology = plan.topology
         nodes = len(set(expert_nodes(topology, topology.expert_parallel_size)[1]))
-        if options.gate != "switch" and nodes < 2:
+        if options.gate not in BASELINES and nodes < 2:
             raise PlanError(
                 "locality_gate routes by node, but this plan has "
                 + ("no nodes (ranks_per_node is 0: every rank on one node)" if not topology.ranks_per_node else f"one node holding all ep={topology.expert_parallel_size} ranks")
                 + "; set --ranks-per-node (Topology(ranks_per_node=...)) below the expert-parallel size"
             )
-        if options.max_nodes > nodes:
+        if options.gate not in BASELINES and options.max_nodes > nodes:
             raise PlanError(
                 f"locality_gate max_nodes={options.max_nodes} is larger than the {nodes} nodes the expert-parallel group spans; "
                 f"choose max_nodes from 1..{nodes} (0: no limit)"
@@ -121,7 +133,7 @@ class LocalityGate(Pass):
                     f"locality_gate: the router of {block['path']} was not lifted to commfx.topk_router "
                     "(lift keeps group-limited, sigmoid and biased routers verbatim); drop locality_gate for this model"
                 )
-            _substitute(graph, router, picks, dispatch.args[0], block, options, plan)
+            _substitute(graph, router, picks, dispatch, block, options, plan)
             changed = True
         program.annotations["locality_gate"] = dataclasses.asdict(options)
         program.gm.recompile()
@@ -136,15 +148,16 @@ def _lifted_router(indices: fx.Node):
     return router, {u.args[1]: u for u in router.users if u.target is operator.getitem}
 
 
-def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, x: fx.Node, block: dict, options, plan: Plan) -> None:
+def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, dispatch: fx.Node, block: dict, options, plan: Plan) -> None:
     logits, k, normalize, score_dtype = router.args
+    x = dispatch.args[0]
     num_experts = block["num_experts"]
     if plan.topology.expert_parallel_size > num_experts:
         raise PassError(f"{block['path']}: {num_experts} experts over ep={plan.topology.expert_parallel_size}")
     expert_node, rank_node = expert_nodes(plan.topology, num_experts)
     num_nodes = len(set(rank_node))
     per_node = num_experts // num_nodes
-    switch = options.gate == "switch"
+    switch = options.gate in BASELINES
     k_used = 1 if switch else k
     max_nodes = num_nodes if switch or options.max_nodes == 0 else options.max_nodes
     fraction = 1.0 if switch else options.max_remote_fraction
@@ -165,15 +178,43 @@ def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, x: fx.Node, block
 
     if options.gate == "grap" and _position(graph, x) > _position(graph, router):
         raise PassError(f"locality_gate: {block['path']}'s hidden states are computed after its router; GrAP cannot use them")
+    token_ids = _token_ids(graph, block) if options.gate == "hash" else None
+    configured = float(plan.spec_for("expert_parallel").options.get("capacity_factor", 0) or 0)
+    gate_weight = None
+    if configured > 0 and options.gate in ("model", "switch"):
+        gate_weight = _router_weight(logits)
+        if gate_weight is None:
+            raise PassError(
+                f"locality_gate: the capacity floor measures the angle between tokens and {block['path']}'s router "
+                "weights, but its logits do not come from a linear layer of a parameter; use gate=grap, "
+                "or dropless expert parallelism (capacity_factor=0)"
+            )
     with graph.inserting_before(router.next):  # in order (inserting_after would reverse them)
         raw = make(locality.grap_scores, (x, num_experts), "GrAP gate: relu(mean of d/E groups)") if options.gate == "grap" else logits
         probs = make(router_probs, (raw, score_dtype), "router probabilities")
-        home = make(commfx.home_experts.default, (probs, expert_node, rank_node, "ep"), "experts on this rank's node")
-        chosen = make("detach", (probs,), op="call_method")
-        purpose = "switch top-1" if switch else f"top-{k} on <= {max_nodes} node(s), <= {fraction:g} of tokens off-node"
-        indices = make(commfx.locality_topk.default, (chosen, home, k_used, expert_node, max_nodes, fraction), purpose)
+        if options.gate == "hash":
+            indices = make(locality.hash_route, (token_ids, x, num_experts), "hash routing: a fixed hash of the token id")
+        else:
+            home = make(commfx.home_experts.default, (probs, expert_node, rank_node, "ep"), "experts on this rank's node")
+            chosen = make("detach", (probs,), op="call_method")
+            balance = 0.0 if switch else float(options.balance)
+            purpose = "switch top-1" if switch else (
+                f"top-{k} on <= {max_nodes} node(s), <= {fraction:g} of tokens off-node"
+                + (f", <= {balance:g} x node mean rows per expert" if balance else "")
+            )
+            indices = make(commfx.locality_topk.default, (chosen, home, k_used, expert_node, max_nodes, fraction, balance), purpose)
         weights = make(routing_weights, (probs, indices, normalize), "chosen experts' weights")
-        if options.alpha or options.mu:
+        if configured > 0 and options.gate != "hash":
+            tokens = make("detach", (x,), op="call_method")
+            gate = make("detach", (gate_weight,), op="call_method") if gate_weight is not None else None
+            floor = make(
+                commfx.measure_capacity_floor.default,
+                (tokens, gate, indices, num_experts, configured, block["path"]),
+                f"capacity = max(LocMoE floor 1/(n(1-I_δ²(1/2,(d-1)/2))) as a factor, n={num_experts}, δ from the batch; "
+                f"configured {configured:g})",
+            )
+            dispatch.kwargs = {**dispatch.kwargs, "capacity_floor": floor}
+        if options.gate != "hash" and (options.alpha or options.mu):
             losses = make(locality.aux_losses, (probs, indices, home, expert_node, options.alpha, options.mu), f"balance (alpha={options.alpha:g}) and locality (mu={options.mu:g}) losses")
             weights = make(commfx.add_aux_loss.default, (weights, losses, block["path"]), "identity; backward adds the losses' gradient")
     old_weights, old_indices = picks.get(0), picks.get(1)
@@ -187,6 +228,29 @@ def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, x: fx.Node, block
             graph.erase_node(node)
     block["top_k"] = k_used
     block["gate"] = options.gate
+
+
+def _router_weight(logits: fx.Node) -> fx.Node | None:
+    """The parameter whose rows are the gate vectors: logits = linear(x, W) (+ bias), else None."""
+    node = logits
+    while node.target is operator.add and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if node.target in (torch.nn.functional.linear, torch.ops.aten.linear.default) and len(node.args) > 1:
+        weight = node.args[1]
+        if isinstance(weight, fx.Node) and weight.op in ("get_attr", "placeholder"):
+            return weight
+    return None
+
+
+def _token_ids(graph: fx.Graph, block: dict) -> fx.Node:
+    """The model's integer input (token ids), which hash routing hashes."""
+    for node in graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            return node
+    raise PassError(
+        f"locality_gate gate=hash routes {block['path']} by token id, but the model takes no integer input; use gate=switch"
+    )
 
 
 def _copy_value(new: fx.Node, old: fx.Node | None, k: int) -> None:
