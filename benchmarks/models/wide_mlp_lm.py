@@ -1,8 +1,8 @@
 """A wide, shallow dense language model for pipeline benchmarks: hidden 1024, two residual
 MLP blocks (one per stage at pp=2), byte vocabulary. Its compute per token (about 2 H^2
-multiply-adds per block) is half of what a transformer layer spends on its attention projections alone,
-so on a CPU the 100 Mbit/s link between stages carries a larger share of a step and the
-backward sends are on its critical path.
+multiply-adds per block) is half of what a transformer layer spends on its attention
+projections alone, so on a CPU the 100 Mbit/s link between stages carries a larger share
+of a step and the backward sends are on its critical path.
 
     commfx bench benchmarks/models/wide_mlp_lm.py:build --pp 2 ...
 """

@@ -14,8 +14,9 @@ from tied_pipeline import TiedLM  # noqa: E402
 
 
 def gpt_moe():
-    model, (ids,) = build_gpt_moe(num_layers=4, hidden_size=16, num_heads=2, num_experts=4, expert_hidden=12, vocab_size=32, batch=4, seq=6)
-    return model, (ids,)
+    return build_gpt_moe(
+        num_layers=4, hidden_size=16, num_heads=2, num_experts=4, expert_hidden=12, vocab_size=32, batch=4, seq=6
+    )
 
 
 def tied():
