@@ -33,7 +33,7 @@ timeout 2400 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter
   --passes "lift,pipeline_split:microbatches=2,compress_pipeline:rank=16;epilogue_only=false" \
   --vs "lift,pipeline_split:microbatches=2" \
   --also "epilogue only=lift,pipeline_split:microbatches=2,compress_pipeline:rank=16" \
-  --steps 8 --warmup 1 --batch 64 --model-arg hidden_size=1024 --model-arg num_heads=8 \
+  --steps 10 --warmup 1 --batch 64 --model-arg hidden_size=1024 --model-arg num_heads=8 \
   --model-arg num_experts=2 --model-arg top_k=1 --model-arg expert_hidden=16 \
   --json "$OUT/optimus_cc_100mbit.json" | tee "$OUT/optimus_cc_100mbit.txt"
 echo "results in $OUT"
