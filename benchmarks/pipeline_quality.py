@@ -2,8 +2,9 @@
 without compression, and with and without lazy error propagation.
 
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 4 --json benchmarks/pipeline_quality.json
+    .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --json benchmarks/pipeline_quality_r16_h256.json
 
-pp=2 on 2 local gloo ranks, gpt-moe with a byte vocabulary (256), hidden 128, 2 layers,
+pp=2 on 2 local gloo ranks, gpt-moe with a byte vocabulary (256), hidden 128 (--hidden), 2 layers,
 batches of 8 x 64 bytes of pydoc_data.topics (consecutive, no repeats), 4 micro-batches,
 1F1B, AdamW lr 3e-3, seed 0. Every plan trains the same model from the same start on the
 same batches, one plan after another in the same two processes. Losses are the mean of

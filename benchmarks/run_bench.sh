@@ -38,4 +38,12 @@ for model in gpt_moe_words olmoe_words; do
     --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 10 --warmup 2 --timeout 1400 \
     --json "$OUT/embrace_${model}_100mbit.json" | tee "$OUT/embrace_${model}_100mbit.txt"
 done
+# Optimus-CC (issue 13): pp=2 on 2 nodes x 1 rank, 100 Mbit/s, hidden 1024; uncompressed vs rank 16 everywhere vs epilogue only
+timeout 2400 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter-node 100mbit \
+  --passes "lift,pipeline_split:microbatches=2,compress_pipeline:rank=16;epilogue_only=false" \
+  --vs "lift,pipeline_split:microbatches=2" \
+  --also "epilogue only=lift,pipeline_split:microbatches=2,compress_pipeline:rank=16" \
+  --steps 10 --warmup 1 --batch 64 --model-arg hidden_size=1024 --model-arg num_heads=8 \
+  --model-arg num_experts=2 --model-arg top_k=1 --model-arg expert_hidden=16 \
+  --json "$OUT/optimus_cc_100mbit.json" | tee "$OUT/optimus_cc_100mbit.txt"
 echo "results in $OUT"

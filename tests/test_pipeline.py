@@ -169,3 +169,18 @@ def test_pipeline_equals_torch_distributed_pipelining():
 def test_topology_validation_of_pipelines():
     assert Topology(world_size=4, pp=2).dp == 2
     assert Plan(Topology(world_size=4, pp=2)).grad_scale == 0.5
+
+
+@pytest.mark.distributed
+def test_pipeline_equals_the_model_pp_4_world_4():
+    """Four stages, one layer each, in float64: GPipe on gpt-moe, and 1F1B (warm-up depths
+    3, 2, 1 and 0 forwards) on a model whose weight is tied across stage 0 and stage 3."""
+    four = TESTS / "model_files" / "four_stage.py"
+    cases = [
+        VerifyCase(f"{four}:gpt_moe", Plan.from_cli("lift,pipeline_split:schedule=gpipe;microbatches=2", world_size=4, pp=4)),
+        VerifyCase(f"{four}:tied", Plan.from_cli("lift,pipeline_split:schedule=1f1b;microbatches=4", world_size=4, pp=4)),
+    ]
+    for report in verify(cases, 4, timeout_s=300):
+        assert report.ok, (report.case.model, report.case.plan.passes, report.failures, report.max_diff)
+        assert report.max_diff <= 1e-10
+        assert len(report.grad_diffs) == len(dict(load_model(report.case.model)[0].named_parameters()))
