@@ -142,10 +142,11 @@ class SemiController:
         self.decisions: list[Decision] = []
         self.errors: list[float] = []  # resizing error of every step (0 when nothing is dropped)
         self.adjust = None
+        self.enabled = True  # False: steps are not timed nor decided on (a bench's compute-only steps, where collectives are local)
         self._start: tuple[float, float] | None = None
 
     def begin_step(self) -> None:
-        if self._start is None:
+        if self._start is None and self.enabled:
             self._start = (time.perf_counter(), self.scheduler.blocked_s)
 
     def my_work(self) -> float:
