@@ -153,3 +153,10 @@ def test_tiny_run_the_slow_rank_computes_slower_and_semi_names_it(tmp_path):
     assert slow > 1.5 * fast, f"rank 1 should compute ~5x slower by its own timer: {fast * 1e3:.1f} vs {slow * 1e3:.1f} ms"
     assert plan["straggler_slowed"] and plan["resize_tp_decisions"], "resize_tp should have acted on the straggler"
     assert "(rank 1," in plan["resize_tp_decisions"][0]
+
+
+def test_a_rank_that_cannot_see_the_cgroup_says_what_to_do_instead():
+    # `ip netns exec` remounts /sys: a rank reaches the cgroup through the parent's root
+    assert straggler._visible(Path("/proc/self"), os.getpid()) == Path("/proc/self")
+    with pytest.raises(RuntimeError, match="use --slow-method delay"):
+        straggler._visible(Path("/sys/fs/cgroup/cpu/commfx-no-such-group"), os.getpid())

@@ -57,6 +57,7 @@ class SlowRank:
     method: str  # "cgroup" | "delay"
     cgroup: str = ""  # the cgroup directory (method "cgroup")
     note: str = ""  # why "auto" fell back to delays
+    host_pid: int = 0  # the process that made the cgroup: ranks in a network namespace see /sys through it
 
     def describe(self) -> str:
         if self.method == "cgroup":
@@ -108,7 +109,7 @@ def prepare(rank: int, factor: float, world_size: int, method: str = "auto") -> 
     if problem:
         return SlowRank(rank, factor, "delay", note=problem if method == "auto" else "")
     try:
-        return SlowRank(rank, factor, "cgroup", cgroup=str(_make_cgroup(rank, factor)))
+        return SlowRank(rank, factor, "cgroup", cgroup=str(_make_cgroup(rank, factor)), host_pid=os.getpid())
     except OSError as error:
         if method == "cgroup":
             raise ValueError(f"--slow-method cgroup: could not make a cgroup ({error}); use --slow-method delay") from None
@@ -139,13 +140,25 @@ def cleanup(slow: SlowRank | None) -> None:
             pass
 
 
-def _own_cgroup(root: Path) -> Path:
+def _own_cgroup(root: Path, v1: bool) -> Path:
     """This process's current cpu cgroup directory under `root` (to come back to)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if (root == _V1 and "cpu" in controllers.split(",")) or (root == _V2 and controllers == ""):
+        if (v1 and "cpu" in controllers.split(",")) or (not v1 and controllers == ""):
             return root / path.lstrip("/")
     return root
+
+
+def _visible(path: Path, host_pid: int) -> Path:
+    """`path` as this process can reach it: `ip netns exec` mounts a fresh /sys without the
+    cgroup hierarchy, so a rank in a namespace goes through the parent's root."""
+    if path.exists():
+        return path
+    via = Path(f"/proc/{host_pid}/root") / path.relative_to("/")
+    if host_pid and via.exists():
+        return via
+    raise RuntimeError(f"this rank cannot see the straggler's cgroup {path} (nor through /proc/{host_pid}/root); "
+                       "use --slow-method delay")
 
 
 class RankSlowdown:
@@ -153,10 +166,10 @@ class RankSlowdown:
 
     def __init__(self, slow: SlowRank | None, rank: int):
         self.slow = slow if slow is not None and slow.rank == rank else None
-        self._home: Path | None = None
+        self._group = self._home = None
         if self.slow is not None and self.slow.method == "cgroup":
-            group = Path(self.slow.cgroup)
-            self._home = _own_cgroup(group.parent)
+            self._group = _visible(Path(self.slow.cgroup), self.slow.host_pid)
+            self._home = _own_cgroup(self._group.parent, v1=self.slow.cgroup.startswith(str(_V1)))
 
     @contextmanager
     def applied(self, scheduler, active: bool = True):
@@ -165,7 +178,7 @@ class RankSlowdown:
             yield
             return
         if self.slow.method == "cgroup":
-            _move(Path(self.slow.cgroup))
+            _move(self._group)
         else:
             scheduler.slowdown = self.slow.factor
         try:
