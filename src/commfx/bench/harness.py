@@ -47,6 +47,7 @@ from rich.markup import escape
 from ..plan import Plan
 from ..verify import preflight
 from .cluster import EmulatedCluster, LinkSpec
+from .straggler import RankSlowdown, SlowRank
 
 # Benchmark-sized configurations of built-in models: big enough that compute and
 # communication both take milliseconds on the emulated cluster (see benchmarks/RESULTS.md).
@@ -86,6 +87,10 @@ class BenchConfig:
     seed: int = 0
     progress_path: str | None = None
     trace_dir: str | None = None  # after measuring, one traced step per plan: DIR/<label>.rankN.json
+    slow_rank: tuple[int, float] | None = None  # --slow-rank R:FACTOR (validated)
+    slow_method: str = "auto"
+    healthy: tuple[str, ...] = ()  # labels of plans measured without the straggler
+    slow: SlowRank | None = None  # how the straggler is made (set by run_bench once it is)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -108,7 +113,8 @@ class _PlanRunner:
         self.scheduler = self.dm.scheduler
         self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
         self.records: list = []
-        self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": []}
+        self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": []}
+        self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
 
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
@@ -128,22 +134,28 @@ class _PlanRunner:
         self.scheduler.stats.reset()
         self.scheduler.records = []
         self.scheduler.barrier()
+        blocked = self.scheduler.blocked_s
         start = time.monotonic()
         self._train_step()
         span = (start, time.monotonic())
+        self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked)  # this rank's timer: wall less comm waits
         self.records, self.scheduler.records = self.scheduler.records, None
         return span, self.scheduler.stats.as_dict()
 
     def compute_only(self) -> tuple[float, float]:
         """The same step with every collective replaced by a same-size local copy."""
+        self.scheduler.barrier()  # a real barrier, before the collectives turn local
         self.scheduler.local_only = True
+        if self.controller is not None:
+            self.controller.enabled = False  # local timings only: nothing to decide on
         try:
-            self.scheduler.barrier()
             start = time.monotonic()
             self._train_step()
             return start, time.monotonic()
         finally:
             self.scheduler.local_only = False
+            if self.controller is not None:
+                self.controller.enabled = True
 
     def comm_only(self) -> tuple[float, float]:
         """The collectives of this round's training step, alone, back to back."""
@@ -178,15 +190,24 @@ class _PlanRunner:
         finally:
             self.dm.timeline, self.scheduler.dispatcher.history = None, None
 
-    def round(self, keep: bool) -> None:
-        """Run the three phases once; keep the samples unless this is warm-up."""
-        wall, nbytes = self.step()
-        compute = self.compute_only()
+    def round(self, keep: bool, slowdown: RankSlowdown, slowed: bool) -> None:
+        """Run the three phases once (this rank slowed if it is the straggler and the plan is
+        not a healthy reference); keep the samples unless this is warm-up."""
+        with slowdown.applied(self.scheduler, active=slowed):
+            wall, nbytes = self.step()
+            compute = self.compute_only()
         comm = self.comm_only()
         if keep:
             for kind, value in zip(TIMING_KINDS, (wall, compute, comm)):
                 self.samples[kind].append(value)
             self.samples["bytes"].append(nbytes)
+            self.samples["own_compute"].append(self.own_compute)
+
+    def decisions(self) -> list[str]:
+        """What resize_tp's controller did (the same on every rank)."""
+        if self.controller is None:
+            return []
+        return [d.line() for d in self.controller.decisions if d.action != "keep"]
 
 
 def _dummy_buffer(record) -> torch.Tensor:
@@ -213,13 +234,16 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
     total = config.warmup + config.steps
     _report_progress(progress, 0, total, "compiling")
     runners = [_PlanRunner(spec, config, rank, world_size) for spec in config.plans]
+    slowdown = RankSlowdown(config.slow, rank)
     for index in range(total):
         phase = "warm-up" if index < config.warmup else "measuring"
         _report_progress(progress, index, total, phase)
         order = runners if index % 2 == 0 else runners[::-1]
         for runner in order:
-            runner.round(keep=index >= config.warmup)
+            runner.round(keep=index >= config.warmup, slowdown=slowdown, slowed=runner.spec.label not in config.healthy)
     _report_progress(progress, total, total, "done")
+    for runner in runners:
+        runner.samples["decisions"] = runner.decisions()
     if config.trace_dir:
         for runner in runners:
             runner.samples["trace"] = runner.traced_step(rank, config.trace_dir)
@@ -263,6 +287,10 @@ class PlanResult:
     compute: Timing
     comm: Timing
     bytes: dict[str, dict[str, float]]  # kind -> calls / intra_node_bytes / inter_node_bytes, per step, all ranks
+    rank_compute: list[Timing] = field(default_factory=list)  # per rank: its own compute-only step time
+    rank_own_compute: list[Timing] = field(default_factory=list)  # per rank: training step less its comm waits
+    slowed: bool = False  # the straggler (if any) was slow in this plan
+    decisions: list[str] = field(default_factory=list)  # resize_tp's decisions (rank 0's; every rank's are the same)
 
     @property
     def bound(self) -> float:
@@ -280,6 +308,9 @@ class PlanResult:
             "bytes_per_step": self.bytes,
             "intra_node_bytes_per_step": self.total("intra_node_bytes"),
             "inter_node_bytes_per_step": self.total("inter_node_bytes"),
+            "rank_compute_only_median_s": [t.median for t in self.rank_compute],
+            "rank_step_compute_median_s": [t.median for t in self.rank_own_compute],
+            "straggler_slowed": self.slowed, "resize_tp_decisions": self.decisions,
         }
 
 
@@ -300,6 +331,7 @@ class BenchResult:
     calibration: dict | None = None
     machine: dict = field(default_factory=dict)
     date: str = ""
+    straggler: dict | None = None  # SlowRank.as_dict(): who was slow, by how much, how
 
     @property
     def baseline(self) -> PlanResult | None:
@@ -343,6 +375,7 @@ class BenchResult:
             "wall_over_baseline": self.wall_ratios(),
             "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
             "calibration": self.calibration, "machine": self.machine, "date": self.date,
+            "straggler": self.straggler,
         }
         return out
 
@@ -353,8 +386,14 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
     for spec in config.plans:
         per_rank = [samples[spec.label] for samples in rank_samples]
         timings = {kind: Timing(_cluster_times([r[kind] for r in per_rank], kind)) for kind in TIMING_KINDS}
-        plans.append(PlanResult(spec.label, spec.passes, timings["wall"], timings["compute"], timings["comm"],
-                                _bytes_per_step([r["bytes"] for r in per_rank])))
+        plans.append(PlanResult(
+            spec.label, spec.passes, timings["wall"], timings["compute"], timings["comm"],
+            _bytes_per_step([r["bytes"] for r in per_rank]),
+            rank_compute=[Timing([end - start for start, end in r["compute"]]) for r in per_rank],
+            rank_own_compute=[Timing(r["own_compute"]) for r in per_rank],
+            slowed=config.slow is not None and spec.label not in config.healthy,
+            decisions=per_rank[0].get("decisions", []),
+        ))
     paired = None
     if len(plans) > 1:
         paired = Timing([a / b for a, b in zip(plans[0].wall.samples, plans[1].wall.samples)])
@@ -363,7 +402,7 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
         ranks_per_node=cluster.ranks_per_node, link=str(link) if link else None, emulated=cluster.emulated,
         cluster=cluster.describe(), fallback_reason=cluster.reason, steps=config.steps, warmup=config.warmup,
         plans=plans, paired_wall_ratio=paired, machine=machine_info(),
-        date=_dt.date.today().isoformat(),
+        date=_dt.date.today().isoformat(), straggler=config.slow.as_dict() if config.slow else None,
     )
 
 
@@ -494,14 +533,17 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
                  lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
                  link: LinkSpec | None = None, flops_per_rank: float | None = None,
                  grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None,
-                 collective_timeout_s: float | None = None) -> BenchConfig:
+                 collective_timeout_s: float | None = None, tp: int = 1, slow_rank: tuple[int, float] | None = None,
+                 slow_method: str = "auto", healthy: tuple[str, ...] = ()) -> BenchConfig:
     """Validate every plan against the model before any rank starts.
 
     Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
     (label, passes) pairs, all interleaved. The link and compute figures go into each
-    plan's topology, where cost models (partition_a2a k=auto) read them.
+    plan's topology, where cost models (partition_a2a k=auto) read them. `slow_rank`
+    (rank, factor) makes that rank a straggler in every plan but the `healthy` ones.
     """
     from ..models import load_model
+    from .straggler import check_request
 
     kwargs = {**PRESETS.get(model, {}), **(model_kwargs or {})}
     world = nodes * ranks_per_node
@@ -515,7 +557,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         figures["collective_overhead_s"] = collective_overhead_s
 
     def spec(label: str, text: str) -> PlanSpec:
-        plan = Plan.from_cli(text, world_size=world, ep=ep, pp=pp, ranks_per_node=ranks_per_node, **figures)
+        plan = Plan.from_cli(text, world_size=world, ep=ep, pp=pp, tp=tp, ranks_per_node=ranks_per_node, **figures)
         if grad_bucket_bytes:
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
         if collective_timeout_s:
@@ -529,12 +571,20 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"plan labels must be distinct, got {labels} (plan and baseline are taken)")
+    unknown = [label for label in healthy if label not in labels]
+    if unknown:
+        raise ValueError(f"--healthy {', '.join(unknown)}: no plan has that label (the plans are {', '.join(labels)})")
+    if healthy and slow_rank is None:
+        raise ValueError("--healthy names plans to run without the straggler; it needs --slow-rank R:FACTOR")
+    if slow_rank is not None:
+        check_request(*slow_rank, world, slow_method)
     for s in specs:  # every plan compiles here first: errors surface once, before ranks start
         model_module, inputs = load_model(model, seed=seed, **kwargs)
         preflight(model_module, s.plan, inputs)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
-    return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed)
+    return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed,
+                       slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy))
 
 
 def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = True, calibrate_first: bool = False,
@@ -542,9 +592,23 @@ def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = Tru
     """Make the cluster, calibrate if asked, run the ranks, summarise; the cluster is gone after."""
     from rich.console import Console
 
+    from .straggler import cleanup, prepare
+
     console = console or Console(highlight=False)
+    if config.slow_rank is not None:
+        config = dataclasses.replace(config, slow=prepare(*config.slow_rank, config.nodes * config.ranks_per_node, config.slow_method))
+    try:
+        return _run_on_cluster(config, link, emulate, calibrate_first, console, timeout_s)
+    finally:
+        cleanup(config.slow)
+
+
+def _run_on_cluster(config: BenchConfig, link, emulate: bool, calibrate_first: bool, console, timeout_s: float) -> BenchResult:
     with make_cluster(config.nodes, config.ranks_per_node, link, emulate=emulate) as cluster:
         console.print(f"cluster: {cluster.describe()}", markup=False)
+        if config.slow is not None:
+            healthy = f" (not in {', '.join(config.healthy)})" if config.healthy else ""
+            console.print(config.slow.describe() + healthy, markup=False)
         if not cluster.emulated:
             console.print(f"[yellow]warning:[/yellow] no emulated network ({escape(cluster.reason)}); "
                           "ranks talk over plain localhost, so link rate and latency are NOT applied")
@@ -647,10 +711,30 @@ def calibration_table(calibration: dict):
     return table
 
 
+def straggler_table(result: BenchResult):
+    """Every rank's own compute per plan: where the straggler is, and what resize_tp did."""
+    from rich.table import Table
+
+    table = Table(title=f"per-rank compute, ms (median): {escape(result.straggler['describe'])}")
+    table.add_column("plan")
+    table.add_column("straggler")
+    for kind in ("compute-only step", "training step less comm waits"):
+        table.add_column(kind, justify="right")
+    for p in result.plans:
+        table.add_row(p.label, "slow" if p.slowed else "healthy",
+                      " / ".join(_ms(t.median) for t in p.rank_compute), " / ".join(_ms(t.median) for t in p.rank_own_compute))
+    return table
+
+
 def render(result: BenchResult, console) -> None:
     """Print the tables and the paired ratio (what the interleaving buys)."""
     console.print(timing_table(result))
     console.print(bytes_table(result))
+    if result.straggler is not None:
+        console.print(straggler_table(result))
+        for p in result.plans:
+            for line in p.decisions:
+                console.print(f"{p.label}: resize_tp {line}", markup=False)
     if result.paired_wall_ratio is not None:
         r = result.paired_wall_ratio
         console.print(

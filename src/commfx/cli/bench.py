@@ -48,6 +48,15 @@ def add_parser(subparsers) -> None:
                              "(default 200mbit,1ms)")
     parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the data-parallel size)")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (with pipeline_split in --passes)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (with tensor_parallel in --passes)")
+    parser.add_argument("--slow-rank", type=_slow_rank, default=None, metavar="R:FACTOR",
+                        help="emulate a straggler: rank R computes FACTOR times slower (1:2 is rank 1 at half speed) "
+                             "in every plan but the --healthy ones; the output says how (see --slow-method)")
+    parser.add_argument("--slow-method", choices=("auto", "cgroup", "delay"), default="auto",
+                        help="how the straggler is slowed: a CPU-quota cgroup (needs root), per-op delays in the "
+                             "graph executor, or auto (the cgroup where it can be made; default)")
+    parser.add_argument("--healthy", action="append", default=[], metavar="LABEL",
+                        help="a plan measured without the straggler, e.g. --healthy baseline (repeatable)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured rounds (default 10)")
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="rounds run before measuring (default 2)")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
@@ -86,6 +95,15 @@ def _labelled(item: str) -> tuple[str, str]:
     return label.strip(), passes.strip()
 
 
+def _slow_rank(text: str) -> tuple[int, float]:
+    from ..bench.straggler import parse_slow_rank
+
+    try:
+        return parse_slow_rank(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--slow-rank ")) from None
+
+
 def _number(text: str):
     for cast in (int, float):
         try:
@@ -108,7 +126,8 @@ def _run(args: argparse.Namespace) -> int:
         model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
-        collective_timeout_s=args.collective_timeout,
+        collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
+        slow_method=args.slow_method, healthy=tuple(args.healthy),
     )
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))

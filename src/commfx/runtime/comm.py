@@ -104,6 +104,7 @@ class CommScheduler:
         self.op_state: dict = {}  # state an op reads when it runs, keyed by op id (e.g. resizable tp linears)
         self.blocked_s = 0.0  # seconds this rank has spent waiting on communication (compute = wall - blocked)
         self.slowdown = 1.0  # > 1: the executor stretches each compute node (a straggler, for `commfx bench --slow-rank`)
+        self.slow_debt_s = 0.0  # delay the stretched nodes still owe (paid in slices, see executor.stretch)
 
     def group(self, name: str, priority: str = DEFAULT_CLASS) -> "GroupHandle":
         key = group_key(name, priority)

@@ -38,11 +38,16 @@ class GraphExecutor(fx.Interpreter):
 
     def run(self, *args):
         with active(self.scheduler):
-            return super().run(*args)
+            out = super().run(*args)
+        if self.scheduler.slow_debt_s > 0:
+            pay_delay(self.scheduler)  # a straggler's graph ends no sooner than its stretched work
+        return out
 
     def run_node(self, node: fx.Node):
-        start = time.perf_counter()
         collective = is_collective(node)
+        if collective and self.scheduler.slow_debt_s > 0:
+            pay_delay(self.scheduler)  # an emulated straggler reaches each collective late
+        start = time.perf_counter()
         if collective:
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             value = self.call_collective(node, args, kwargs)
@@ -64,10 +69,26 @@ class GraphExecutor(fx.Interpreter):
         """Called with every node's value as soon as it exists."""
 
 
+SLEEP_SLICE_S = 1e-3  # a sleep costs tens of microseconds: owe small delays, pay them in slices
+
+
 def stretch(scheduler: CommScheduler, compute_s: float) -> None:
     """An emulated straggler: a node that computed for `compute_s` takes `slowdown` times as
-    long (the delay shrinks with the work, so a resized linear waits less)."""
-    time.sleep(max(0.0, (scheduler.slowdown - 1.0) * compute_s))
+    long (the delay shrinks with the work, so a resized linear waits less). The delay is owed
+    and paid once a slice has built up, before the next collective, or when the graph ends."""
+    scheduler.slow_debt_s += (scheduler.slowdown - 1.0) * compute_s
+    if scheduler.slow_debt_s >= SLEEP_SLICE_S:
+        pay_delay(scheduler)
+
+
+def pay_delay(scheduler: CommScheduler) -> None:
+    """Sleep off the owed delay. Oversleeping is carried as credit (up to a slice), so the
+    total stays calibrated; a longer overshoot is the machine's, not owed work."""
+    if scheduler.slow_debt_s <= 0:
+        return
+    start = time.perf_counter()
+    time.sleep(scheduler.slow_debt_s)
+    scheduler.slow_debt_s = max(-SLEEP_SLICE_S, scheduler.slow_debt_s - (time.perf_counter() - start))
 
 
 class BackwardExecutor(GraphExecutor):

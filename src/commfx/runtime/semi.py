@@ -10,7 +10,10 @@ slower than the median of the others by `threshold` is a straggler:
 - light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy);
 - heavy (>= `heavy_ratio`) and persistent (`persist_windows` windows in a row), and moving
   the columns costs less link time than the straggler's excess compute: **migrate** the
-  share that balances the two ranks (lossless);
+  share that balances the two ranks (lossless). Only row-parallel columns migrate (a
+  faster rank adds their partial product to its own), so where `max_migrate` of them
+  cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
+  (semi-migration: most of the gap closed losslessly, the remainder by resizing);
 - recovered: full width and no migration again.
 
 Each decision is logged with its numbers (ratio, excess seconds, bytes and seconds to move).
@@ -52,12 +55,14 @@ class Decision:
     move_s: float  # ... over the link
     fraction: float  # kept fraction (resize) or migrated fraction (migrate)
     why: str
+    keep: float = 1.0  # migrate: the fraction the straggler also keeps (< 1 where migration alone cannot balance)
 
     def line(self) -> str:
         who = f"rank {self.straggler}" if self.straggler is not None else "no straggler"
+        also = f", keep {self.keep:.2f}" if self.keep < 1.0 else ""
         return (
             f"step {self.step}: {self.action} ({who}, ratio {self.ratio:.2f}, excess {self.excess_s * 1e3:.1f} ms/step, "
-            f"migration {self.move_bytes:,} B = {self.move_s * 1e3:.1f} ms/step, fraction {self.fraction:.2f}): {self.why}"
+            f"migration {self.move_bytes:,} B = {self.move_s * 1e3:.1f} ms/step, fraction {self.fraction:.2f}{also}): {self.why}"
         )
 
 
@@ -74,12 +79,14 @@ class SemiState:
 
 
 def decide(
-    times: list[float], work: list[float], state: SemiState, config: SemiConfig, bytes_per_column_step: float, bandwidth: float
+    times: list[float], work: list[float], state: SemiState, config: SemiConfig, bytes_per_column_step: float, bandwidth: float,
+    migratable: float = 1.0,
 ) -> Decision:
     """The decision for one window (pure: the same inputs give the same decision on every rank).
 
     `times`/`work`: each rank's mean compute seconds and work share over the window;
-    `bytes_per_column_step`: bytes migration moves per step per fraction of a shard moved.
+    `bytes_per_column_step`: bytes migration moves per step per fraction of a shard moved;
+    `migratable`: the share of a rank's tp work that migration can move (its row-parallel linears).
     """
     speed = [t / max(w, 1e-9) for t, w in zip(times, work)]
     straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
@@ -90,14 +97,18 @@ def decide(
     excess = max(0.0, speed[straggler] - statistics.median(others))
     state.persistent = state.persistent + 1 if state.last_straggler == straggler and ratio >= 1 + config.threshold else 0
     state.last_straggler = straggler if ratio >= 1 + config.threshold else None
-    migrate_fraction = min(config.max_migrate, (ratio - 1) / (ratio + 1))  # (1 - m) * ratio == 1 + m
+    # (1 - a m) ratio == 1 + a m balances the ranks, a = the migratable share of the work
+    needed = (ratio - 1) / (ratio + 1) / max(migratable, 1e-9)
+    migrate_fraction = min(config.max_migrate, needed)
+    moved = migratable * migrate_fraction
+    keep_after = min(1.0, max(config.min_fraction, (1 + moved) / (ratio * (1 - moved))))  # resize the rest
     move_bytes = int(bytes_per_column_step * migrate_fraction)
     move_s = move_bytes / bandwidth if bandwidth else 0.0
     keep_fraction = max(config.min_fraction, min(1.0, 1.0 / ratio))
 
-    def made(action, fraction, why):
+    def made(action, fraction, why, keep=1.0):
         state.action = action if action != "restore" else "keep"
-        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why)
+        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why, keep)
 
     if ratio < 1 + config.threshold:
         if state.action != "keep":
@@ -109,11 +120,12 @@ def decide(
     persistent = state.persistent + 1 >= config.persist_windows
     worth = move_s < excess
     if config.mode == "migrate" or (config.mode == "semi" and heavy and persistent and worth):
-        why = (
-            "mode=migrate"
-            if config.mode == "migrate"
-            else f"heavy (ratio >= {config.heavy_ratio}) and persistent ({state.persistent + 1} windows), and moving costs less than the excess"
-        )
+        if config.mode == "migrate":
+            return made("migrate", migrate_fraction, "mode=migrate")
+        why = f"heavy (ratio >= {config.heavy_ratio}) and persistent ({state.persistent + 1} windows), and moving costs less than the excess"
+        if keep_after < 1.0 and needed > migrate_fraction:
+            why += f"; migrating {migrate_fraction:.0%} of its row-parallel columns cannot balance the ranks, so it keeps {keep_after:.0%} too"
+            return made("migrate", migrate_fraction, why, keep_after)
         return made("migrate", migrate_fraction, why)
     why = "mode=resize" if config.mode == "resize" else (
         "light" if not heavy else "transient" if not persistent else "moving would cost more than the excess"
@@ -142,18 +154,22 @@ class SemiController:
         self.decisions: list[Decision] = []
         self.errors: list[float] = []  # resizing error of every step (0 when nothing is dropped)
         self.adjust = None
+        self.migratable = migratable_share(resizer)
+        self.enabled = True  # False: steps are not timed nor decided on (a bench's compute-only steps, where collectives are local)
         self._start: tuple[float, float] | None = None
 
     def begin_step(self) -> None:
-        if self._start is None:
+        if self._start is None and self.enabled:
             self._start = (time.perf_counter(), self.scheduler.blocked_s)
 
     def my_work(self) -> float:
+        """This rank's tp work this step, 1 for a plain shard (what its time is divided by)."""
         me = self.resizer.tp_rank
         share = self.resizer.fraction
         migration = self.resizer.migration
         if migration:
-            share += -migration["fraction"] if me == migration["giver"] else migration["fraction"] if me == migration["taker"] else 0.0
+            moved = self.migratable * migration["fraction"]
+            share = share * (1 - moved) if me == migration["giver"] else share + moved if me == migration["taker"] else share
         return share
 
     def end_step(self) -> Decision | None:
@@ -175,7 +191,7 @@ class SemiController:
         window, shares = self.state.samples[-self.config.window :], self.state.work[-self.config.window :]
         mean_times = [statistics.fmean(step[r] for step in window) for r in range(len(times))]
         mean_work = [statistics.fmean(step[r] for step in shares) for r in range(len(times))]
-        decision = decide(mean_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth)
+        decision = decide(mean_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable)
         self.apply(decision)
         self.decisions.append(decision)
         if self.log and decision.action != "keep" and self.resizer.tp_rank == 0:
@@ -200,7 +216,7 @@ class SemiController:
             self.resizer.migrate(0, 0, 0.0)
             self.resizer.resize(decision.fraction if me == decision.straggler else 1.0)
         elif decision.action == "migrate":
-            self.resizer.resize(1.0)
+            self.resizer.resize(decision.keep if me == decision.straggler else 1.0)
             times = self.state.samples[-1]
             taker = min((r for r in range(len(times)) if r != decision.straggler), key=lambda r: (times[r], r))
             self.resizer.migrate(decision.straggler, taker, decision.fraction)
@@ -221,6 +237,14 @@ class SemiController:
         self.resizer.load_state_dict(state["resizer"])
         self.state = SemiState(**state["semi"])
         self.decisions = [Decision(**d) for d in state["decisions"]]
+
+
+def migratable_share(resizer: Resizer) -> float:
+    """The share of a rank's tp multiply-adds in row-parallel linears (what migration can move):
+    each linear does weight.numel() multiply-adds per row."""
+    total = sum(weight.numel() for weight, _ in resizer.linears.values())
+    rows = sum(weight.numel() for weight, kind in resizer.linears.values() if kind == "row")
+    return rows / total if total else 1.0
 
 
 def make_controller(module: torch.nn.Module, spec: dict, scheduler, topology: Topology, tp_rank: int) -> SemiController:
