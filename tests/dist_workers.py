@@ -251,7 +251,8 @@ def dispatch_rows(rank: int, world_size: int, passes: str) -> dict:
     dm = distribute(model, Plan.from_cli(passes, world_size=world_size), (local,))
     dm.scheduler.records = []
     dm(local)
-    token_rows = [r for r in dm.scheduler.records if r.kind == "all_to_all" and r.row_shape == (model.config.hidden_size,)]
+    # Token rows: a packed dispatch row also carries its routing weights and local ids.
+    token_rows = [r for r in dm.scheduler.records if r.kind == "all_to_all" and r.row_shape[0] >= model.config.hidden_size]
     dispatches = token_rows[0::2]  # each MoE layer: the dispatch, then the combine
     return {"tokens": local.numel(), "dispatch_rows": sum(sum(r.send_rows) for r in dispatches), "unique_token_rank_pairs": unique}
 

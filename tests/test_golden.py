@@ -74,8 +74,9 @@ def test_backward_graph_holds_the_backward_all_to_alls():
 
 
 def test_golden_packed_graphs():
-    """pack_experts: once-per-rank dispatch (token rows + routing), local fan-out and weighted
-    sum at the expert rank, one row back; three all-to-alls per direction in forward and backward."""
+    """pack_experts: once-per-rank dispatch (token rows with their routing weights and local
+    ids as extra columns), local fan-out and weighted sum at the expert rank, one row back:
+    two all-to-alls in forward and in backward."""
     texts = rendered("gpt-moe-tiny", "lift,expert_parallel,pack_experts")
     check_golden(texts, "gpt-moe-tiny.ep4.packed", ("distributed", "forward", "backward"))
     distributed = texts["distributed"]
@@ -83,15 +84,22 @@ def test_golden_packed_graphs():
     assert "commfx.group_by_expert(" not in distributed and "pack_experts:" in distributed
     assert "commfx.expert_slots(" in distributed  # the runtime's placement, not a constant
     for stage in ("forward", "backward"):
-        assert texts[stage].count("commfx.all_to_all_start(") == 3, stage
+        assert texts[stage].count("commfx.all_to_all_start(") == 2, stage
+    assert "commfx.attach_meta(" in distributed and "commfx.detach_meta(" in distributed
 
 
 def test_golden_packed_and_chunked_graphs():
     """pack_experts then partition_a2a:k=2: the packed exchange in two chunks, each with its
-    token-row, routing and combine all-to-alls (priority a2a), forward and backward."""
+    dispatch and combine all-to-alls (priority a2a), forward and backward; both chunks'
+    dispatches start before the first chunk's experts run, so chunk 2's rows are on the wire
+    while chunk 1 computes."""
     texts = rendered("gpt-moe-tiny", "lift,expert_parallel,pack_experts,partition_a2a:k=2")
     check_golden(texts, "gpt-moe-tiny.ep4.packed-k2", ("distributed", "forward", "backward"))
     assert "commfx.split_chunks(" in texts["distributed"] and "commfx.merge_chunks(" in texts["distributed"]
     assert "packed dispatch 2/2" in texts["distributed"]
     for stage in ("forward", "backward"):
-        assert texts[stage].count("commfx.all_to_all_start(") == 6, stage
+        assert texts[stage].count("commfx.all_to_all_start(") == 4, stage
+    forward = texts["forward"].splitlines()
+    first_experts = next(i for i, line in enumerate(forward) if "commfx.packed_expert_ffn(" in line)
+    dispatches = [i for i, line in enumerate(forward) if "commfx.all_to_all_start(" in line and "packed dispatch" in line]
+    assert len(dispatches) == 2 and max(dispatches) < first_experts

@@ -31,13 +31,39 @@ def simulate(x, indices, weights, ranks, local_experts, expert_scale, slot_of=No
     expert_in_slot[slot_of] = torch.arange(experts)
     rows, meta, row_token, send = commfx_ops.rank_dispatch(x, slot_of[indices], weights, ranks, local_experts, capacity_factor)
     pieces = []
-    for rank, (r_rows, r_meta) in enumerate(zip(rows.split(send.tolist()), meta.split(send.tolist()))):
-        row_weights, local_ids = commfx_ops.split_meta(r_meta)
+    payload = commfx_ops.attach_meta(rows, meta)  # what the dispatch all-to-all carries
+    for rank, r_payload in enumerate(payload.split(send.tolist())):
+        r_rows, row_weights, local_ids = commfx_ops.detach_meta(r_payload, meta)
         laid, counts, slot = commfx_ops.masked_dispatch(r_rows, local_ids, local_experts)
         here = expert_in_slot[rank * local_experts : (rank + 1) * local_experts]
         scale = expert_scale[here].repeat_interleave(counts)
         pieces.append(commfx_ops.moe_combine(laid * scale.unsqueeze(1), slot, row_weights))
     return commfx_ops.scatter_add_tokens(torch.cat(pieces), row_token, x), send
+
+
+@pytest.mark.parametrize(
+    "rows_dtype, meta_dtype, k",
+    [(torch.float64, torch.float64, 2), (torch.float16, torch.float32, 2), (torch.bfloat16, torch.float32, 1),
+     (torch.float16, torch.float64, 1), (torch.float64, torch.float16, 3)],
+)
+def test_routing_metadata_rides_in_the_rows_bit_for_bit(rows_dtype, meta_dtype, k):
+    """attach_meta/detach_meta carry weights and ids as extra columns of the rows, whatever
+    the two dtypes (padded where the bytes do not fill a column): values and both gradients
+    come back exactly, ids included, and a row count of 0 works."""
+    generator = torch.Generator().manual_seed(k)
+    for count in (5, 0):
+        rows = torch.randn(count, 3, generator=generator).to(rows_dtype).requires_grad_()
+        weights = torch.rand(count, k, generator=generator).to(meta_dtype).requires_grad_()
+        ids = torch.randint(-1, 7, (count, k), generator=generator)
+        meta = torch.cat([weights, ids.to(meta_dtype)], dim=1)
+        payload = commfx_ops.attach_meta(rows, meta)
+        assert payload.dtype == rows_dtype and payload.shape[0] == count
+        back_rows, back_weights, back_ids = commfx_ops.detach_meta(payload, meta)
+        assert torch.equal(back_rows, rows) and torch.equal(back_weights, weights) and torch.equal(back_ids, ids)
+        grad_rows = torch.randn(count, 3, generator=generator).to(rows_dtype)
+        grad_weights = torch.randn(count, k, generator=generator).to(meta_dtype)
+        torch.autograd.backward([back_rows, back_weights], [grad_rows, grad_weights])
+        assert torch.equal(rows.grad, grad_rows) and torch.equal(weights.grad, grad_weights)
 
 
 @settings(max_examples=40, deadline=None)

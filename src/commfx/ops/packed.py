@@ -9,6 +9,8 @@ pairs: the minimum for a placement.
 
     expert_slots       source: where each chosen expert lives now (the runtime's placement)
     rank_dispatch      source: token rows per destination rank, with weights and local ids
+    attach_meta        source: the weights and ids as extra columns of the rows (one all-to-all)
+    detach_meta        receiver: rows, weights and local ids again
     packed_expert_ffn  receiver: every local expert of every received row and their weighted
                        sum, fused (kernels/packed_experts.py: the Triton kernel on CUDA)
     masked_dispatch    receiver, unfused: rows laid out by local expert (id -1 skipped); then
@@ -173,24 +175,97 @@ scatter_add_tokens.register_autograd(_scatter_backward, setup_context=_scatter_s
 # ---------------------------------------------------------------------------- receiver side
 
 
-@torch.library.custom_op("commfx::split_meta", mutates_args=())
-def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """meta [V, 2k] -> (routing weights [V, k], local expert ids [V, k] int64)."""
-    k = meta.shape[1] // 2
-    return meta[:, :k].clone(), meta[:, k:].round().to(torch.int64)
+def _meta_columns(meta_cols: int, meta_dtype: torch.dtype, rows_dtype: torch.dtype) -> int:
+    """Columns of `rows_dtype` that hold `meta_cols` values of `meta_dtype` bit for bit."""
+    size = torch.empty((), dtype=rows_dtype).element_size()
+    return -(-meta_cols * torch.empty((), dtype=meta_dtype).element_size() // size)
 
 
-@split_meta.register_fake
-def _(meta):
-    k = meta.shape[1] // 2
-    return meta.new_empty((meta.shape[0], k)), meta.new_empty((meta.shape[0], k), dtype=torch.int64)
+def _as_columns(meta: torch.Tensor, rows_dtype: torch.dtype) -> torch.Tensor:
+    """meta [U, m] -> [U, c] of rows_dtype: its bytes, zero-padded to whole columns."""
+    raw = meta.contiguous().view(torch.uint8)
+    columns = _meta_columns(meta.shape[1], meta.dtype, rows_dtype)
+    pad = columns * torch.empty((), dtype=rows_dtype).element_size() - raw.shape[1]
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros((raw.shape[0], pad))], dim=1)
+    return raw.view(rows_dtype)
 
 
-def _split_meta_backward(ctx, grad_weights, grad_ids):
-    return torch.cat([grad_weights, torch.zeros_like(grad_weights)], dim=1)
+def _from_columns(columns: torch.Tensor, meta_cols: int, meta_dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `_as_columns`."""
+    raw = _dense(columns).view(torch.uint8)
+    size = torch.empty((), dtype=meta_dtype).element_size()
+    return _dense(raw[:, : meta_cols * size]).view(meta_dtype)
 
 
-split_meta.register_autograd(_split_meta_backward)
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """A fresh row-major copy: viewing as another dtype needs its strides and offset to be
+    multiples of the new element size, even when the tensor is empty (where `contiguous()`
+    and `clone()` keep a slice's strides)."""
+    return x.new_empty(x.shape).copy_(x)
+
+
+@torch.library.custom_op("commfx::attach_meta", mutates_args=())
+def attach_meta(rows: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """rows [U, H] and their routing metadata [U, 2k] as one [U, H + c] tensor of rows' dtype,
+    the metadata's bytes carried as extra columns (bit for bit, whatever the two dtypes), so
+    one all-to-all moves both: a second collective per chunk costs a latency each way."""
+    return torch.cat([rows, _as_columns(meta, rows.dtype)], dim=1)
+
+
+@attach_meta.register_fake
+def _(rows, meta):
+    return rows.new_empty((rows.shape[0], rows.shape[1] + _meta_columns(meta.shape[1], meta.dtype, rows.dtype)))
+
+
+def _attach_setup(ctx, inputs, output):
+    rows, meta = inputs
+    ctx.hidden, ctx.meta_cols, ctx.meta_dtype = rows.shape[1], meta.shape[1], meta.dtype
+
+
+def _attach_backward(ctx, grad):
+    return grad[:, : ctx.hidden], _from_columns(grad[:, ctx.hidden :], ctx.meta_cols, ctx.meta_dtype)
+
+
+attach_meta.register_autograd(_attach_backward, setup_context=_attach_setup)
+
+
+@torch.library.custom_op("commfx::detach_meta", mutates_args=())
+def detach_meta(payload: torch.Tensor, meta_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The receiver's side of `attach_meta`: payload [V, H + c] -> (rows [V, H], routing
+    weights [V, k], local expert ids [V, k] int64). `meta_like` is this rank's own metadata
+    (every rank's has the same dtype and width); only its dtype and width are read."""
+    meta_cols = meta_like.shape[1]
+    hidden = payload.shape[1] - _meta_columns(meta_cols, meta_like.dtype, payload.dtype)
+    meta = _from_columns(payload[:, hidden:], meta_cols, meta_like.dtype)
+    k = meta_cols // 2
+    return payload[:, :hidden].clone(), meta[:, :k].clone(), meta[:, k:].round().to(torch.int64)
+
+
+@detach_meta.register_fake
+def _(payload, meta_like):
+    k = meta_like.shape[1] // 2
+    hidden = payload.shape[1] - _meta_columns(meta_like.shape[1], meta_like.dtype, payload.dtype)
+    rows = payload.shape[0]
+    return (
+        payload.new_empty((rows, hidden)),
+        meta_like.new_empty((rows, k)),
+        meta_like.new_empty((rows, k), dtype=torch.int64),
+    )
+
+
+def _detach_setup(ctx, inputs, output):
+    payload, meta_like = inputs
+    ctx.rows_dtype, ctx.meta_dtype = payload.dtype, meta_like.dtype
+
+
+def _detach_backward(ctx, grad_rows, grad_weights, grad_ids):
+    """The weights' gradient goes back in the metadata's columns (the ids' get zeros)."""
+    grad_meta = torch.cat([grad_weights, torch.zeros_like(grad_weights)], dim=1).to(ctx.meta_dtype)
+    return torch.cat([grad_rows, _as_columns(grad_meta, ctx.rows_dtype)], dim=1), None
+
+
+detach_meta.register_autograd(_detach_backward, setup_context=_detach_setup)
 
 
 @torch.library.custom_op("commfx::masked_dispatch", mutates_args=())

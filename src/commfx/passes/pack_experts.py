@@ -11,7 +11,7 @@ expert-parallel block
 
 becomes
 
-    expert_slots -> rank_dispatch -> all_to_all(rows), all_to_all(weights + ids) -> masked_dispatch
+    expert_slots -> rank_dispatch -> attach_meta -> all_to_all (rows + weights + ids) -> detach_meta
                  -> packed_expert_ffn (the rank's experts and their weighted sum, one fused kernel)
                  -> all_to_all -> scatter_add_tokens
 
@@ -228,14 +228,20 @@ def build_exchange(make, rows, meta, send, recv_counts, ffn_weights, ep: int, lo
             )
             for j in range(chunks)
         ]
+    # Every chunk's dispatch first, then each chunk's experts and combine (as partition_a2a
+    # orders a plain block): the schedule pass keeps the starts' graph order, so chunk j+1's
+    # rows are on the wire while chunk j's experts run.
+    received = [
+        node(commfx.all_to_all.default, (node(commfx.attach_meta.default, (rows_j, meta_j)), send_j, recv_j, "ep", "a2a", f"{path} packed dispatch{part}"),
+             f"dispatch all-to-all: token rows with their routing weights and local ids{part}")
+        for rows_j, meta_j, send_j, recv_j, part in pieces
+    ]
     backs = []
-    for rows_j, meta_j, send_j, recv_j, part in pieces:
-        received = node(commfx.all_to_all.default, (rows_j, send_j, recv_j, "ep", "a2a", f"{path} packed dispatch{part}"), f"dispatch all-to-all, token rows{part}")
-        received_meta = node(commfx.all_to_all.default, (meta_j, send_j, recv_j, "ep", "a2a", f"{path} packed routing{part}"), f"routing weights and local ids{part}")
-        split = node(commfx.split_meta.default, (received_meta,))
-        row_weights, local_ids = node(operator.getitem, (split, 0)), node(operator.getitem, (split, 1))
+    for payload, (rows_j, meta_j, send_j, recv_j, part) in zip(received, pieces):
+        split = node(commfx.detach_meta.default, (payload, meta_j))
+        rows_in, row_weights, local_ids = (node(operator.getitem, (split, i)) for i in range(3))
         summed = node(
-            commfx.packed_expert_ffn.default, (received, local_ids, row_weights, gate_up, down, activation),
+            commfx.packed_expert_ffn.default, (rows_in, local_ids, row_weights, gate_up, down, activation),
             f"local experts ({local_experts}) and their weighted sum, fused{part}",
         )
         backs.append(node(commfx.all_to_all.default, (summed, recv_j, send_j, "ep", "a2a", f"{path} packed combine{part}"), f"combine all-to-all, one row per (token, rank){part}"))
