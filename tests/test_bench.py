@@ -153,3 +153,17 @@ def test_build_config_takes_extra_plans_and_puts_link_figures_in_their_topology(
     assert all(s.plan.grad_bucket_bytes == 4096 for s in config.plans)
     with pytest.raises(ValueError, match="labels must be distinct"):
         build_config("gpt-moe-tiny", "lift", None, nodes=1, ranks_per_node=2, also=[("plan", "lift")])
+
+
+def test_bench_re_places_packed_experts_between_real_steps(tmp_path):
+    # pack_experts:replace_every=1: the bench re-places after every real step (warm-up
+    # included), outside the timed span, and never after a compute-only replay.
+    result, stdout, _ = _bench(tmp_path, "--no-emulation", "--passes", "lift,expert_parallel,pack_experts:replace_every=1")
+    plan = next(p for p in result["plans"] if p["label"] == "plan")
+    layers = load_model("gpt-moe-tiny")[0].config.num_layers
+    lines = plan["expert_placement_decisions"]
+    assert len(lines) == 3 * layers, lines  # 1 warm-up + 2 measured real steps, each layer once
+    assert [int(line.split()[2].rstrip(":")) for line in lines] == sorted([1, 2, 3] * layers)
+    assert "pack_experts re-placed after step 3" in stdout
+    baseline = next(p for p in result["plans"] if p["label"] == "baseline")
+    assert baseline["expert_placement_decisions"] == []

@@ -115,6 +115,10 @@ class _PlanRunner:
         self.records: list = []
         self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": []}
         self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
+        packing = getattr(self.dm, "packing", None) or {}
+        self.replace_every = max((spec["replace_every"] for spec in packing.values()), default=0)
+        self.real_steps = 0
+        self.placement_lines: list[str] = []  # what each re-placement did (the same on every rank)
 
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
@@ -140,7 +144,21 @@ class _PlanRunner:
         span = (start, time.monotonic())
         self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked)  # this rank's timer: wall less comm waits
         self.records, self.scheduler.records = self.scheduler.records, None
-        return span, self.scheduler.stats.as_dict()
+        stats = self.scheduler.stats.as_dict()
+        self._replace_experts_when_due()
+        return span, stats
+
+    def _replace_experts_when_due(self) -> None:
+        """pack_experts:replace_every=N: re-place experts after every N real steps, as a
+        training run does (`attach_optimizer`), but outside the timed span and its byte count,
+        and never after the compute-only replay, whose collectives are local copies (ranks
+        would decide from different statistics)."""
+        self.real_steps += 1
+        if self.replace_every and self.real_steps % self.replace_every == 0:
+            for d in self.dm.replace_experts(self.optimizer):
+                self.placement_lines.append(
+                    f"after step {self.real_steps}: {d.op_id} moved {d.moved} experts, co-located selections "
+                    f"{d.colocated_before:.0f} -> {d.colocated_after:.0f}, max load {d.max_load:.0f} (bound {d.bound:.0f})")
 
     def compute_only(self) -> tuple[float, float]:
         """The same step with every collective replaced by a same-size local copy."""
@@ -244,6 +262,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
     _report_progress(progress, total, total, "done")
     for runner in runners:
         runner.samples["decisions"] = runner.decisions()
+        runner.samples["placement_decisions"] = runner.placement_lines
     if config.trace_dir:
         for runner in runners:
             runner.samples["trace"] = runner.traced_step(rank, config.trace_dir)
@@ -291,6 +310,7 @@ class PlanResult:
     rank_own_compute: list[Timing] = field(default_factory=list)  # per rank: training step less its comm waits
     slowed: bool = False  # the straggler (if any) was slow in this plan
     decisions: list[str] = field(default_factory=list)  # resize_tp's decisions (rank 0's; every rank's are the same)
+    placement_decisions: list[str] = field(default_factory=list)  # pack_experts re-placements (rank 0's)
 
     @property
     def bound(self) -> float:
@@ -311,6 +331,7 @@ class PlanResult:
             "rank_compute_only_median_s": [t.median for t in self.rank_compute],
             "rank_step_compute_median_s": [t.median for t in self.rank_own_compute],
             "straggler_slowed": self.slowed, "resize_tp_decisions": self.decisions,
+            "expert_placement_decisions": self.placement_decisions,
         }
 
 
@@ -393,6 +414,7 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
             rank_own_compute=[Timing(r["own_compute"]) for r in per_rank],
             slowed=config.slow is not None and spec.label not in config.healthy,
             decisions=per_rank[0].get("decisions", []),
+            placement_decisions=per_rank[0].get("placement_decisions", []),
         ))
     paired = None
     if len(plans) > 1:
@@ -735,6 +757,9 @@ def render(result: BenchResult, console) -> None:
         for p in result.plans:
             for line in p.decisions:
                 console.print(f"{p.label}: resize_tp {line}", markup=False)
+    for p in result.plans:
+        for line in p.placement_decisions:
+            console.print(f"{p.label}: pack_experts re-placed {line}", markup=False)
     if result.paired_wall_ratio is not None:
         r = result.paired_wall_ratio
         console.print(
