@@ -292,15 +292,34 @@ def expert_ffn_backward_from_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """expert_ffn_backward given the hidden layer x @ gate_up, for a caller that has it
     already (pack_experts' backward recomputes it once for the outputs and the gradients)."""
+    grad_x, grad_gate_up, grad_down, _ = weighted_expert_ffn_backward(grad_out, None, x, hidden, counts, gate_up, down, activation)
+    return grad_x, grad_gate_up, grad_down
+
+
+def weighted_expert_ffn_backward(
+    grad_out: torch.Tensor, row_weights: torch.Tensor | None, x: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor,
+    gate_up: torch.Tensor, down: torch.Tensor, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Backward of rows_out = row_weights * expert_ffn(x) given the hidden layer, with
+    `grad_out` the gradient of rows_out. The routing weights' gradient is
+    grad_out . expert_ffn(x) = (grad_out @ down) . (act(gate) * up): the product grad_out @ down
+    the experts' own backward needs anyway, so the expert outputs are never recomputed (one
+    grouped GEMM fewer than recomputing them). `row_weights=None` means weights of one."""
     gate, up = hidden.chunk(2, dim=-1)
     activated = ACTIVATIONS[activation](gate)
-    grad_down = grouped_mm_weight_grad(grad_out, activated * up, counts)
+    inner = activated * up
     grad_inner = grouped_mm(grad_out, down, counts, trans_w=False)
+    grad_row_weights = None
+    if row_weights is not None:
+        scale = row_weights.to(grad_out.dtype).unsqueeze(-1)
+        grad_row_weights = (grad_inner * inner).sum(-1).to(row_weights.dtype)
+        grad_out, grad_inner = grad_out * scale, grad_inner * scale
+    grad_down = grouped_mm_weight_grad(grad_out, inner, counts)
     grad_gate = grad_inner * up * ACTIVATION_GRADS[activation](gate)
     grad_hidden = torch.cat([grad_gate, grad_inner * activated], dim=-1)
     grad_gate_up = grouped_mm_weight_grad(grad_hidden, x, counts)
     grad_x = grouped_mm(grad_hidden, gate_up, counts, trans_w=False)
-    return grad_x, grad_gate_up, grad_down
+    return grad_x, grad_gate_up, grad_down, grad_row_weights
 
 
 @expert_ffn_backward.register_fake

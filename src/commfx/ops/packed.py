@@ -26,7 +26,7 @@ import torch
 
 from ..kernels import grouped_mm, packed_experts
 from ..runtime.expert_placement import current_placements
-from .moe import ACTIVATIONS, expert_capacity, expert_ffn_backward_from_hidden, moe_combine_backward, moe_scatter_rows
+from .moe import expert_capacity, weighted_expert_ffn_backward
 
 # ---------------------------------------------------------------------------- source side
 
@@ -324,11 +324,17 @@ def packed_expert_ffn(
 def _assignments(local_ids: torch.Tensor, weights: torch.Tensor, local_experts: int):
     """(row [A], weight [A], counts [L]): the valid assignments grouped by local expert (row
     order within one), the layout masked_dispatch makes."""
-    k = local_ids.shape[1]
+    order, counts = _assignment_order(local_ids, local_experts)
+    return order // local_ids.shape[1], weights.reshape(-1)[order], counts
+
+
+def _assignment_order(local_ids: torch.Tensor, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [A], counts [L]): flat indices v * k + j of the valid assignments, grouped by
+    local expert (row order within one), and each expert's count."""
     flat = local_ids.reshape(-1)
     valid = flat >= 0
     order = torch.argsort(torch.where(valid, flat, local_experts), stable=True)[: int(valid.sum())]
-    return order // k, weights.reshape(-1)[order], torch.bincount(flat[valid], minlength=local_experts)
+    return order, torch.bincount(flat[valid], minlength=local_experts)
 
 
 @packed_expert_ffn.register_fake
@@ -353,17 +359,19 @@ def packed_expert_ffn_backward(
     grad_out: torch.Tensor, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
     gate_up: torch.Tensor, down: torch.Tensor, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of packed_expert_ffn for x, the routing weights and both expert weights: the
-    unfused ops' backwards, on the rows laid out by expert. The hidden layer is recomputed
-    once and serves both the expert outputs (the routing weights' gradient needs them) and
-    the experts' own backward."""
-    laid, counts, slot = masked_dispatch(x, local_ids, gate_up.shape[0])
+    """Gradients of packed_expert_ffn for x, the routing weights and both expert weights, on
+    the rows laid out by expert. Only the hidden layer is recomputed: the routing weights'
+    gradient comes from the product with `down` the experts' backward computes anyway
+    (`weighted_expert_ffn_backward`), not from recomputed expert outputs."""
+    order, counts = _assignment_order(local_ids, gate_up.shape[0])
+    row = order // local_ids.shape[1]
+    laid = x[row]
     hidden = grouped_mm(laid, gate_up, counts)
-    gate, up = hidden.chunk(2, dim=-1)
-    expert_out = grouped_mm(ACTIVATIONS[activation](gate) * up, down, counts)
-    grad_rows, grad_weights = moe_combine_backward(grad_out, expert_out, slot, weights)
-    grad_laid, grad_gate_up, grad_down = expert_ffn_backward_from_hidden(grad_rows, laid, hidden, counts, gate_up, down, activation)
-    return moe_scatter_rows(grad_laid, slot, x.shape[0], local_ids.shape[1]), grad_weights, grad_gate_up, grad_down
+    grad_laid, grad_gate_up, grad_down, grad_laid_weights = weighted_expert_ffn_backward(
+        grad_out[row], weights.reshape(-1)[order], laid, hidden, counts, gate_up, down, activation)
+    grad_x = torch.zeros_like(x).index_add_(0, row, grad_laid)
+    grad_weights = torch.zeros_like(weights).view(-1).index_put_((order,), grad_laid_weights).view_as(weights)
+    return grad_x, grad_weights, grad_gate_up, grad_down  # remote experts' weights: zero gradient here
 
 
 @packed_expert_ffn_backward.register_fake
