@@ -88,6 +88,7 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
             f"leaves of types {sorted({type(leaf).__name__ for leaf in leaves})}. Wrap the model so forward returns tensors."
         )
     gm, example = recorded[0]
+    given = _names_of_given_inputs(args, kwargs, signature)
     names = parameter_names(model)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     positions = to_fx_convention(gm, example, names, len(args) + len(kwargs))
@@ -96,7 +97,7 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
         modules=dict(model.named_modules()),
         out_spec=out_spec,
         annotations={"tokens_per_rank": tokens_of((*args, *kwargs.values()))},
-        input_names=[_input_name(placeholders[i], signature) for i in positions],
+        input_names=[given.get(id(example[i])) or _input_name(placeholders[i], signature) for i in positions],
         signature=signature,
     )
 
@@ -137,6 +138,27 @@ def _signature(model: torch.nn.Module) -> inspect.Signature | None:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):
         return None
+
+
+def _names_of_given_inputs(args: tuple, kwargs: dict, signature: inspect.Signature | None) -> dict[int, str]:
+    """id(tensor) -> the forward's parameter name, for the tensors the caller passed.
+
+    dynamo hands the backend the caller's own tensors, so a graph input is named by
+    identity; its placeholder name is only a fallback, because wrappers around forward
+    (transformers 5.24's decorators take *args) shift dynamo's l_args_<i>_ numbering."""
+    if signature is None:
+        return {}
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return {}
+    names: dict[int, str] = {}
+    for name, value in bound.items():
+        values = value.items() if isinstance(value, dict) else [(name, value)]  # **kwargs
+        for key, tensor in values:
+            if isinstance(tensor, torch.Tensor):
+                names[id(tensor)] = key
+    return names
 
 
 def _input_name(placeholder: str, signature: inspect.Signature | None) -> str:
