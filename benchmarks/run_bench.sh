@@ -28,6 +28,17 @@ timeout 2400 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucke
   --also "priority=lift,expert_parallel,partition_a2a:k=1" \
   --nodes 2 --ranks-per-node 2 --inter-node 100mbit --steps 8 --warmup 2 \
   --json "$OUT/lina_100mbit.json" --trace "$OUT/lina_traces" | tee "$OUT/lina_100mbit.txt"
+# 5b. full Lina with expert packing (issue 10): a top-2 router trained 200 steps on the corpus
+# (benchmarks/models/trained_router_moe.py caches it under out/), 2 nodes x 1 rank at 100 Mbit/s
+timeout 2400 "$COMMFX" bench benchmarks/models/trained_router_moe.py:build --grad-bucket-bytes 262144 \
+  --flops-per-rank 2e10 --collective-overhead 5e-3 \
+  --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs lift,expert_parallel \
+  --also "chunking=lift,expert_parallel,partition_a2a:k=2;priority=false" \
+  --also "partition+priority=lift,expert_parallel,partition_a2a" \
+  --also "packing only=lift,expert_parallel,pack_experts:replace_every=2" \
+  --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 8 --warmup 2 --timeout 2300 \
+  --json "$OUT/lina_packed_100mbit_2x1.json" --trace "$OUT/lina_packed_traces" | tee "$OUT/lina_packed_100mbit_2x1.txt"
+.venv/bin/python benchmarks/lina_packing_bytes.py "$OUT/lina_packed_100mbit_2x1.json" | tee "$OUT/lina_packing_bytes.txt"
 # 4b. EmbRace: dense all-reduce vs split_embedding_comm (auto, sparse, shard), untied 50k vocabulary,
 # word ids of pydoc_data.topics, 2 nodes x 1 rank at 100 Mbit/s; the built-in model and HF OLMoE
 for model in gpt_moe_words olmoe_words; do
