@@ -32,7 +32,7 @@ def cases(world_size):
     ]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_expert_parallel_equals_reference(world_size):
     reports = verify(cases(world_size), world_size, timeout_s=600)
     for report in reports:
@@ -67,7 +67,7 @@ def test_experts_are_really_sharded_and_state_dict_round_trips():
         assert "different expert placement" in r["mismatch_error"]
 
 
-@pytest.mark.parametrize("spec", ["gpt-moe-tiny", "hf:qwen3_moe"])
+@pytest.mark.parametrize("spec", ["gpt-moe-tiny", pytest.param("hf:qwen3_moe", marks=pytest.mark.slow)])
 def test_sequence_length_and_batch_may_change_between_calls(spec):
     """One captured graph, symbolic in batch and sequence length; each rank lowers new shapes
     on its own (ranks here even use different batch sizes at once) and stays exact."""
