@@ -3,11 +3,14 @@ without compression, and with and without lazy error propagation.
 
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 4 --json benchmarks/pipeline_quality.json
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --json benchmarks/pipeline_quality_r16_h256.json
+    .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 4 --dp 2 --json benchmarks/pipeline_quality_dp2.json
 
 pp=2 on 2 local gloo ranks, gpt-moe with a byte vocabulary (256), hidden 128 (--hidden), 2 layers,
 batches of 8 x 64 bytes of pydoc_data.topics (consecutive, no repeats), 4 micro-batches,
 1F1B, AdamW lr 3e-3, seed 0. Every plan trains the same model from the same start on the
-same batches, one plan after another in the same two processes. Losses are the mean of
+same batches, one plan after another in the same processes. With --dp 2 (4 ranks, pp=2 x
+dp=2; each dp rank takes half of every batch) the plans are Optimus-CC's selective stage
+compression instead: stage 0's data-parallel all-reduce as PowerSGD factors. Losses are the mean of
 the last 20 steps (the training loss on batches never seen before, so it is also held out).
 """
 
@@ -29,6 +32,11 @@ PLANS = {
     "compressed, no error feedback": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r};epilogue_only=false;error_feedback=false",
     "epilogue only, lazy error propagation": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r}",
 }
+PLANS_DP = {
+    "uncompressed": "lift,pipeline_split:microbatches=4",
+    "selective: stage 0 dp all-reduce at rank r": "lift,pipeline_split:microbatches=4,compress_pipeline:boundaries=none;dp_stages=1;dp_rank={r}",
+    "selective + epilogue-only boundary, rank r": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r};dp_stages=1;dp_rank={r}",
+}
 
 
 def corpus_batches(batch: int, seq: int, steps: int) -> torch.Tensor:
@@ -40,7 +48,7 @@ def corpus_batches(batch: int, seq: int, steps: int) -> torch.Tensor:
     return data[:need].view(steps, batch, seq)
 
 
-def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int) -> dict:
+def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int, dp: int = 1) -> dict:
     from commfx.api import distribute
     from commfx.models import build_gpt_moe
     from commfx.plan import Plan
@@ -51,13 +59,15 @@ def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int) -> 
         ids = mb.inputs[0]
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
+    rows = data.shape[1] // dp
+    data = data[:, (rank % dp) * rows : (rank % dp + 1) * rows]  # this dp rank's half of each batch
     out = {}
-    for label, passes in PLANS.items():
+    for label, passes in (PLANS_DP if dp > 1 else PLANS).items():
         torch.manual_seed(0)
         model, _ = build_gpt_moe(vocab_size=256, hidden_size=hidden, num_layers=2, max_seq=64, seed=0)
-        dm = distribute(model, Plan.from_cli(passes.format(r=rank_r), world_size=2, pp=2), (data[0],))
+        dm = distribute(model, Plan.from_cli(passes.format(r=rank_r), world_size=2 * dp, pp=2), (data[0],))
         optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
-        losses, backward_bytes, start = [], 0, time.perf_counter()
+        losses, backward_bytes, dp_bytes, start = [], 0, 0, time.perf_counter()
         for step in range(steps):
             dm.scheduler.stats.reset()
             optimizer.zero_grad(set_to_none=True)
@@ -65,9 +75,10 @@ def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int) -> 
             optimizer.step()
             stats = dm.scheduler.stats
             backward_bytes += stats.intra_node_bytes["pp_backward"] + stats.inter_node_bytes["pp_backward"]
+            dp_bytes += sum(stats.intra_node_bytes[k] + stats.inter_node_bytes[k] for k in ("grad_all_reduce", "grad_powersgd"))
             if result.loss is not None:
                 losses.append(result.loss.item())
-        out[label] = {"losses": losses, "backward_bytes": backward_bytes, "seconds": time.perf_counter() - start}
+        out[label] = {"losses": losses, "backward_bytes": backward_bytes, "dp_bytes": dp_bytes, "seconds": time.perf_counter() - start}
     return out
 
 
@@ -76,41 +87,44 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--dp", type=int, default=1, choices=(1, 2), help="2: pp=2 x dp=2 on 4 ranks, selective stage compression")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from commfx.runtime.launcher import launch
 
-    results = launch(
-        "pipeline_quality:worker", 2, {"steps": args.steps, "rank_r": args.rank, "hidden": args.hidden}, timeout_s=6 * 3600
-    )
-    last_stage, first_stage = results[1], results[0]
+    kwargs = {"steps": args.steps, "rank_r": args.rank, "hidden": args.hidden, "dp": args.dp}
+    results = launch("pipeline_quality:worker", 2 * args.dp, kwargs, timeout_s=6 * 3600)
+    first_stage, last_stages = results[0], results[args.dp :]  # ranks [0, dp): stage 0
+    plans = PLANS_DP if args.dp > 1 else PLANS
+    # the global batch's loss: the mean over the last stage's dp ranks (equal halves)
+    curves = {label: [sum(losses) / len(losses) for losses in zip(*(r[label]["losses"] for r in last_stages))] for label in plans}
     tail = min(20, args.steps)
-    base = sum(last_stage["uncompressed"]["losses"][-tail:]) / tail
+    base = sum(curves["uncompressed"][-tail:]) / tail
+    # bytes: the backward inter-stage bytes stage 1 -> 0 (pp only), or stage 0's dp all-reduce (dp 2)
+    key, sender = ("dp_bytes", first_stage) if args.dp > 1 else ("backward_bytes", last_stages[0])
     rows = []
-    for label in PLANS:
-        final = sum(last_stage[label]["losses"][-tail:]) / tail
-        sent = last_stage[label]["backward_bytes"]
+    for label in plans:
+        final = sum(curves[label][-tail:]) / tail
+        sent = sender[label][key]
         rows.append(
             {
                 "plan": label,
                 "final_loss": final,
                 "vs_uncompressed": final / base - 1,
-                "backward_bytes": sent,
-                "bytes_ratio": last_stage["uncompressed"]["backward_bytes"] / max(sent, 1),
-                "first_loss": last_stage[label]["losses"][0],
-                "seconds": max(last_stage[label]["seconds"], first_stage[label]["seconds"]),
+                key: sent,
+                "bytes_ratio": sender["uncompressed"][key] / max(sent, 1),
+                "first_loss": curves[label][0],
+                "seconds": max(r[label]["seconds"] for r in results),
             }
         )
-    print(f"| plan (rank {args.rank}, {args.steps} steps) | loss, mean of last 20 | vs uncompressed | backward bytes (stage 1 -> 0) | fewer bytes |")
+    what = "stage 0 dp all-reduce bytes" if args.dp > 1 else "backward bytes (stage 1 -> 0)"
+    print(f"| plan (rank {args.rank}, {args.steps} steps) | loss, mean of last 20 | vs uncompressed | {what} | fewer bytes |")
     print("|---|---|---|---|---|")
     for row in rows:
-        print(
-            f"| {row['plan']} | {row['final_loss']:.4f} | {100 * row['vs_uncompressed']:+.2f}% | "
-            f"{row['backward_bytes']:,} | {row['bytes_ratio']:.1f}x |"
-        )
+        print(f"| {row['plan']} | {row['final_loss']:.4f} | {100 * row['vs_uncompressed']:+.2f}% | {row[key]:,} | {row['bytes_ratio']:.1f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "curves": {k: v["losses"] for k, v in last_stage.items()}}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "curves": curves}, indent=1))
 
 
 if __name__ == "__main__":

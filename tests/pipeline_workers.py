@@ -83,3 +83,77 @@ def checkpoint_codec_state(rank: int, world_size: int, passes: str) -> dict:
     dm.load_state_dict(state)
     restored = dm.codec_state.get(0, {})
     return {"saved": saved, "restored": restored, "stage": dm.stage_index, "bytes": sent}
+
+
+def dp_powersgd(rank: int, world_size: int) -> dict:
+    """DataParallelPowerSGD over the world: a gradient whose sum has rank <= r is reduced
+    exactly; with error feedback the reduced sum stays one residual behind the exact sum."""
+    import torch.distributed as dist
+
+    from commfx.ops.powersgd_allreduce import DataParallelPowerSGD
+
+    def all_reduce(t):
+        dist.all_reduce(t)
+        return t
+
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own gradients
+    shared = torch.Generator().manual_seed(7)  # the same on every rank
+    out = {}
+    # rank(sum_i M_i) <= 3: every rank's gradient lies in one 3-dimensional column space,
+    # and each expert of a stack in a column space of its own
+    basis = torch.randn(24, 3, generator=shared, dtype=torch.float64)
+    expert_bases = torch.randn(2, 24, 3, generator=shared, dtype=torch.float64)
+    low = {
+        "w": basis @ torch.randn(3, 10, generator=generator, dtype=torch.float64),
+        "experts": expert_bases @ torch.randn(2, 3, 10, generator=generator, dtype=torch.float64),
+    }
+    exact = {name: all_reduce(g.clone()) / world_size for name, g in low.items()}
+    got = DataParallelPowerSGD(3, error_feedback=False).reduce(low, {}, all_reduce, world_size, 1.0 / world_size)
+    out["low_rank_diff"] = max((got[n] - exact[n]).abs().max().item() for n in low)
+    out["shapes"] = {n: tuple(got[n].shape) for n in got}
+    # A persistent rank-4 signal plus noise, at rank 2: feedback keeps the running sum one
+    # residual behind; without it the directions rank 2 drops pile up every step.
+    signal = torch.randn(24, 4, generator=shared, dtype=torch.float64) @ torch.randn(4, 16, generator=shared, dtype=torch.float64)
+    for error_feedback in (True, False):
+        codec, state = DataParallelPowerSGD(2, error_feedback=error_feedback), {}
+        sent_sum = torch.zeros(24, 16, dtype=torch.float64)
+        true_sum = torch.zeros(24, 16, dtype=torch.float64)
+        worst = 0.0
+        for _ in range(20):
+            m = signal + 0.1 * torch.randn(24, 16, generator=generator, dtype=torch.float64)
+            sent_sum += codec.reduce({"w": m}, state, all_reduce, world_size, 1.0 / world_size)["w"]
+            true_sum += all_reduce(m.clone()) / world_size
+            if error_feedback:
+                errors = all_reduce(state["error.w"].clone()) / world_size  # scale x sum_i E_i
+                worst = max(worst, (true_sum - sent_sum - errors).abs().max().item())
+        out[f"drift {error_feedback}"] = (true_sum - sent_sum).norm().item()
+        out["telescoping"] = worst if error_feedback else out["telescoping"]
+        out[f"q {error_feedback}"] = state["q.w"]
+    return out
+
+
+def selective_dp_compression(rank: int, world_size: int, passes: str) -> dict:
+    """pp=2 x dp=2, one step uncompressed and one with `passes`: each stage's gradients, the
+    dp codec's residuals averaged over the dp group, the gradient bytes, and the codec state
+    through a state_dict round trip."""
+    model, (ids,) = load_model("gpt-moe", dtype=torch.float64, batch=8, seq=8)
+    out = {}
+    for name, plan in (("exact", "lift,pipeline_split"), ("compressed", passes)):
+        dm = distribute(copy.deepcopy(model), Plan.from_cli(plan, world_size=4, pp=2), (ids,))
+        dm.scheduler.stats.reset()
+        dm.step(ids, loss_fn=lambda outputs, mb: lm_loss(outputs, mb.inputs[0]))
+        stats = dm.scheduler.stats
+        out[name] = {
+            "grads": {n: p.grad.clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+            "bytes": {k: stats.intra_node_bytes[k] + stats.inter_node_bytes[k] for k in ("grad_all_reduce", "grad_powersgd")},
+        }
+    errors = {k.removeprefix("error."): v for k, v in dm.dp_codec_state.items() if k.startswith("error.")}
+    dp = dm.scheduler.group("dp").size
+    out["mean_errors"] = {n: dm.scheduler.all_reduce(e.clone(), "dp").view(out["compressed"]["grads"][n].shape) / dp for n, e in errors.items()}
+    out["compressed_names"] = [name for name, _ in dm.dp_compressed]
+    saved = {k: v.clone() for k, v in dm.dp_codec_state.items()}
+    state = dm.state_dict()
+    dm.dp_codec_state = {}
+    dm.load_state_dict(state)
+    out.update(stage=dm.stage_index, saved=saved, restored={k: v.clone() for k, v in dm.dp_codec_state.items()})
+    return out

@@ -104,7 +104,7 @@ def test_plan_errors():
         check_plan(Plan.from_cli("lift,compress_pipeline", world_size=2, pp=2), model)
     with pytest.raises(PlanError, match="rank must be at least 1"):
         check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:rank=0", world_size=2, pp=2), model)
-    with pytest.raises(PlanError, match=r"boundaries='3': write 'all' or indices joined by '\+' from 0 to 0"):
+    with pytest.raises(PlanError, match=r"boundaries='3': write 'all', 'none' or indices joined by '\+' from 0 to 0"):
         check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:boundaries=3", world_size=2, pp=2), model)
 
 
@@ -173,3 +173,69 @@ def test_references_orthonormalise_and_subtract():
     assert (o.T @ o - torch.eye(4, dtype=torch.float64)).abs().max().item() <= 1e-12
     m, q = torch.randn(20, 7, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
     assert torch.allclose(lowrank_residual_reference(m, o, q), m - o @ q.T)
+
+
+# ------------------------------------------------------------ selective stage compression
+
+
+def test_selective_stage_compression_plan_and_dump():
+    model, inputs = load_model("gpt-moe")
+    with pytest.raises(PlanError, match=r"dp_stages=3: .* from 0 to pp=2"):
+        check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:dp_stages=3", world_size=4, pp=2), model)
+    with pytest.raises(PlanError, match=r"dp_stages=1 compresses the data-parallel all-reduce, but this plan has dp=1"):
+        check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:dp_stages=1", world_size=2, pp=2), model)
+    plan = Plan.from_cli("lift,pipeline_split,compress_pipeline:boundaries=none;dp_stages=1;dp_rank=2", world_size=4, pp=2)
+    pipeline = compile_program(model, plan, inputs).annotations["pipeline"]
+    assert [b.codec for b in pipeline.boundaries] == [None]
+    assert [str(s.dp_codec) if s.dp_codec else None for s in pipeline.stages] == [
+        "PowerSGD rank 2 data-parallel all-reduce, error feedback", None
+    ]
+    assert "data-parallel gradients: PowerSGD rank 2" in pipeline.describe()
+
+
+@pytest.mark.distributed
+def test_data_parallel_powersgd_is_exact_at_low_rank_and_one_residual_behind():
+    sys.path.insert(0, str(TESTS))
+    results = launch("pipeline_workers:dp_powersgd", 2, timeout_s=120)
+    for r in results:
+        assert r["low_rank_diff"] <= 1e-10, r["low_rank_diff"]
+        assert r["shapes"] == {"w": (24, 10), "experts": (2, 24, 10)}
+        assert r["telescoping"] <= 1e-10, r["telescoping"]  # sum(reduced) = sum(exact) - mean_i E_i
+        assert r["drift True"] * 5 < r["drift False"], (r["drift True"], r["drift False"])
+    for key in ("q True", "q False"):  # Q is the reduced one: the same on every rank
+        assert torch.equal(results[0][key], results[1][key])
+
+
+@pytest.mark.distributed
+def test_selective_stage_compression_on_pp2_dp2():
+    """Stage 0's matrices go as rank-2 PowerSGD factors over dp; stage 1 and every vector
+    reduce exactly. What stage 0 applies plus the mean residual is the exact gradient."""
+    sys.path.insert(0, str(TESTS))
+    passes = "lift,pipeline_split,compress_pipeline:boundaries=none;dp_stages=1;dp_rank=2"
+    results = launch("pipeline_workers:selective_dp_compression", 4, {"passes": passes}, timeout_s=400)
+    for r in results:
+        exact, got = r["exact"]["grads"], r["compressed"]["grads"]
+        assert set(exact) == set(got)
+        compressed = set(r["compressed_names"])
+        if r["stage"] == 1:
+            assert not compressed and not r["saved"]
+            assert r["compressed"]["bytes"] == r["exact"]["bytes"]
+        else:
+            assert compressed and all(got[n].dim() >= 2 for n in compressed)
+            lossy = 0.0
+            for name in compressed:
+                assert (got[name] + r["mean_errors"][name] - exact[name]).abs().max().item() <= 1e-10, name
+                matrices = got[name].reshape(-1, *got[name].shape[-2:])
+                assert int(torch.linalg.matrix_rank(matrices).max()) <= 2, name
+                lossy = max(lossy, (got[name] - exact[name]).abs().max().item())
+            assert lossy > 1e-6, "rank 2 should lose something on these gradients"
+            # ring all-reduce over 2 ranks sends the payload once: P [rows, 2] then Q [cols, 2] per
+            # matrix (an expert stack [experts, rows, cols] is one matrix per expert), float64
+            factors = sum(2 * (got[n].shape[-2] + got[n].shape[-1]) * 8 * got[n][..., 0, 0].numel() for n in compressed)
+            assert r["compressed"]["bytes"]["grad_powersgd"] == factors
+            dense = sum(exact[n].numel() * 8 for n in compressed)
+            assert r["compressed"]["bytes"]["grad_all_reduce"] == r["exact"]["bytes"]["grad_all_reduce"] - dense
+            assert set(r["saved"]) == {f"{k}.{n}" for n in compressed for k in ("q", "error")}
+            assert all(torch.equal(r["saved"][k], r["restored"][k]) for k in r["saved"])
+        for name in set(exact) - compressed:
+            assert (got[name] - exact[name]).abs().max().item() <= 1e-12, (r["stage"], name)

@@ -59,6 +59,10 @@ class Stage:
     outputs: list[str]  # what the graph returns, in order (values produced here)
     parameters: list[str] = field(default_factory=list)  # qualified names of the parameters it holds
     layers: list[int] = field(default_factory=list)  # the model's layers it runs
+    # Set by a pass to reduce this stage's data-parallel gradients itself (see
+    # ops.powersgd_allreduce.DataParallelPowerSGD): compresses(shape, dtype) picks the
+    # gradients, reduce(grads, state, all_reduce, group_size, scale) reduces them.
+    dp_codec: Any = None
 
 
 @dataclass
@@ -84,6 +88,8 @@ class Pipeline:
                 f"stage {stage.index}: layers {stage.layers}, {len(stage.parameters)} parameters, "
                 f"inputs {stage.inputs}, outputs {stage.outputs}"
             )
+            if stage.dp_codec is not None:
+                lines.append(f"  data-parallel gradients: {stage.dp_codec}")
             if stage.index < len(self.boundaries):
                 boundary = self.boundaries[stage.index]
                 codec = f" backward codec {boundary.codec}" if boundary.codec is not None else ""

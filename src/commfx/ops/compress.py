@@ -112,16 +112,20 @@ class LowRankCodec:
         return out
 
     def _warm_q(self, state: dict[str, torch.Tensor], i: int, m: torch.Tensor) -> torch.Tensor:
-        """Q of the previous send of this tensor; random (seeded) the first time and in the
-        columns a rank-deficient gradient zeroed (they would stay zero otherwise)."""
-        r = min(self.rank, *m.shape)
-        generator = torch.Generator(device="cpu").manual_seed(Q_SEED + i)
-        fresh = torch.randn((m.shape[1], r), generator=generator, dtype=m.dtype).to(m.device)
-        q = state.get(f"q.{i}")
-        if q is None or q.shape != fresh.shape or q.dtype != m.dtype:
-            return fresh
-        empty = q.norm(dim=0) == 0
-        return torch.where(empty[None, :], fresh, q) if bool(empty.any()) else q
+        return warm_q(state.get(f"q.{i}"), m, self.rank, Q_SEED + i)
+
+
+def warm_q(previous: torch.Tensor | None, m: torch.Tensor, rank: int, seed: int) -> torch.Tensor:
+    """Q of the previous call for this tensor; random (seeded, so every rank that seeds alike
+    draws the same Q) the first time and in the columns a rank-deficient gradient zeroed
+    (they would stay zero otherwise)."""
+    r = min(rank, *m.shape)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    fresh = torch.randn((m.shape[1], r), generator=generator, dtype=m.dtype).to(m.device)
+    if previous is None or previous.shape != fresh.shape or previous.dtype != m.dtype:
+        return fresh
+    empty = previous.norm(dim=0) == 0
+    return torch.where(empty[None, :], fresh, previous) if bool(empty.any()) else previous
 
 
 def power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

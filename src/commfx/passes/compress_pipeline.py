@@ -3,7 +3,9 @@
 Optimus-CC (Song et al., ASPLOS 2023): PowerSGD rank-r factors of each boundary's
 activation gradient with lazy error propagation, compressing only the sends on the
 critical path (the 1F1B epilogue), plus one fused all-reduce for an embedding tied across
-the first and last stage. Forward activations stay exact.
+the first and last stage. Forward activations stay exact. Selective stage compression
+(`dp_stages=w`) also sends the data-parallel gradient all-reduce of the stages before w as
+PowerSGD factors (ops/powersgd_allreduce.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 
 from ..compiler.program import Program
 from ..ops.compress import LowRankCodec
+from ..ops.powersgd_allreduce import DataParallelPowerSGD
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
 
@@ -36,13 +39,29 @@ class CompressPipeline(Pass):
         error_feedback: bool = True  # lazy error propagation
         epilogue_only: bool = True  # compress only the 1F1B cool-down and the last steady-state send
         fuse_embedding_sync: bool = True  # one all-reduce over {first, last stage} x dp for a tied weight
-        boundaries: str = "all"  # "all" or boundary indices joined by '+' (e.g. 0+2)
+        boundaries: str = "all"  # "all", "none", or boundary indices joined by '+' (e.g. 0+2)
+        dp_stages: int = 0  # selective stage compression: PowerSGD dp all-reduce on stages 0..dp_stages-1
+        dp_rank: int = 4  # the rank of those factors
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.rank < 1:
             raise PlanError(f"compress_pipeline rank must be at least 1, got {options.rank}")
         _chosen(options.boundaries, plan.topology.pp - 1)
+        pp, dp = plan.topology.pp, plan.topology.dp
+        if not 0 <= options.dp_stages <= pp:
+            raise PlanError(
+                f"compress_pipeline dp_stages={options.dp_stages}: the stages to compress the data-parallel "
+                f"all-reduce of are 0..dp_stages-1, so write a number from 0 to pp={pp}"
+            )
+        if options.dp_stages and dp == 1:
+            raise PlanError(
+                f"compress_pipeline dp_stages={options.dp_stages} compresses the data-parallel all-reduce, but this "
+                f"plan has dp=1 (world {plan.topology.world_size} = pp {pp} x tp {plan.topology.tp}): use a world of "
+                f"pp x dp ranks with dp >= 2, or leave dp_stages at 0"
+            )
+        if options.dp_rank < 1:
+            raise PlanError(f"compress_pipeline dp_rank must be at least 1, got {options.dp_rank}")
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         pipeline = program.annotations.get("pipeline")
@@ -53,19 +72,23 @@ class CompressPipeline(Pass):
             if boundary.index in _chosen(options.boundaries, len(pipeline.boundaries)):
                 boundary.codec = codec
         pipeline.fuse_shared_sync = options.fuse_embedding_sync
+        for stage in pipeline.stages[: options.dp_stages]:
+            stage.dp_codec = DataParallelPowerSGD(options.dp_rank, options.error_feedback)
         return True
 
 
 def _chosen(text: str, count: int) -> set[int]:
     if text == "all":
         return set(range(count))
+    if text == "none":
+        return set()
     try:
         chosen = {int(part) for part in text.split("+")}
     except ValueError:
         chosen = None
     if not chosen or any(i < 0 or i >= count for i in chosen):
         raise PlanError(
-            f"compress_pipeline boundaries={text!r}: write 'all' or indices joined by '+' from 0 to {count - 1} "
+            f"compress_pipeline boundaries={text!r}: write 'all', 'none' or indices joined by '+' from 0 to {count - 1} "
             f"(boundary i sits between stages i and i + 1)"
         )
     return chosen

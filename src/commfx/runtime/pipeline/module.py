@@ -19,7 +19,8 @@ which both ends share). Shapes travel once per input signature, ahead of the fir
 forward transfer. After the schedule, parameter gradients (accumulated over micro-batches)
 are reduced over the data-parallel group; a weight held by the first and last stage (a
 tied embedding) is also summed across them, or in one fused all-reduce if the pipeline
-asks for it.
+asks for it. A stage with a `dp_codec` (compress_pipeline:dp_stages) hands the gradients
+the codec compresses to it instead; the rest reduce as usual.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class PipelineModule(torch.nn.Module):
         self.recv_boundary = pipeline.boundaries[self.stage_index - 1] if not self.is_first else None
         self.send_boundary = pipeline.boundaries[self.stage_index] if not self.is_last else None
         self.codec_state: dict[int, dict[str, torch.Tensor]] = {}  # boundary index -> the codec's state
+        self.dp_codec_state: dict[str, torch.Tensor] = {}  # the stage's dp codec state (Q and residuals)
         self.grad_sync, self.shared_sync = self._gradient_syncs()
         self._compiled: dict[tuple, Callable] = {}
         self._shapes: dict[tuple, list[torch.Size]] = {}  # (input signature) -> shapes of the received boundary
@@ -293,7 +295,14 @@ class PipelineModule(torch.nn.Module):
             return "pp_ends_dp" if name in shared and fused else "dp"
 
         params = list(self.module.named_parameters())
-        slots = [Slot(name, p, group(name)) for name, p in params]
+        codec = self.stage.dp_codec
+        self.dp_compressed = [
+            (name, p) for name, p in params
+            if codec is not None and p.requires_grad and group(name) == "dp" and codec.compresses(p.shape, p.dtype)
+        ]
+        compressed = {name for name, _ in self.dp_compressed}
+        # group None: GradientSync passes these through; the codec reduces them (_reduce_gradients)
+        slots = [Slot(name, p, None if name in compressed else group(name)) for name, p in params]
         sync = GradientSync(slots, self.scheduler, scale=self.plan.grad_scale, bucket_bytes=self.plan.grad_bucket_bytes)
         shared_slots = [Slot(name, p, "pp_ends") for name, p in params if name in shared and not fused]
         return sync, (GradientSync(shared_slots, self.scheduler, scale=1.0) if shared_slots else None)
@@ -306,6 +315,13 @@ class PipelineModule(torch.nn.Module):
                 sync.ready(slot, s.param.grad)
             for slot, reduced in sync.finish().items():
                 sync.slots[slot].param.grad = reduced.clone()
+        if self.dp_compressed:
+            grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.dp_compressed}
+            reduce = lambda t: self.scheduler.all_reduce(t, "dp", kind="grad_powersgd", priority="grad")  # noqa: E731
+            group_size = self.scheduler.group("dp", "grad").size
+            reduced = self.stage.dp_codec.reduce(grads, self.dp_codec_state, reduce, group_size, self.plan.grad_scale_for("dp"))
+            for name, p in self.dp_compressed:
+                p.grad = reduced[name]
 
     # -- state ----------------------------------------------------------------------------
 
@@ -318,6 +334,7 @@ class PipelineModule(torch.nn.Module):
             "placement": self.placement,
             "stage": self.stage_index,
             "codec_state": {k: {n: t.clone() for n, t in v.items()} for k, v in self.codec_state.items()},
+            "dp_codec_state": {n: t.clone() for n, t in self.dp_codec_state.items()},
         }
 
     def set_extra_state(self, state: dict) -> None:
@@ -327,3 +344,4 @@ class PipelineModule(torch.nn.Module):
                 f"not stage {self.stage_index} with {self.placement}; load it on the rank that saved it"
             )
         self.codec_state = {int(k): {n: t.clone() for n, t in v.items()} for k, v in state.get("codec_state", {}).items()}
+        self.dp_codec_state = {n: t.clone() for n, t in state.get("dp_codec_state", {}).items()}
