@@ -127,6 +127,25 @@ def test_semi_resizes_light_or_transient_slowness_and_migrates_heavy_persistent_
     assert "ratio 2.50" in second.line() and "migration 428,571 B = 0.4 ms/step" in second.line()  # logged with its numbers
 
 
+def test_resizing_settles_where_a_straggler_with_a_fixed_part_matches_the_others_then_restores():
+    """Rank 1 takes 0.05 s that do not shrink with its shard plus 0.15 s per whole shard
+    (2x the others' 0.1 s). Time per unit of work would call a resized rank ever slower and
+    resize it to the floor; the affine fit keeps the ratio at 2 and settles where both
+    ranks take 0.1 s (f = 1/3). When the rank recovers (0.1 s per shard, nothing fixed) the
+    fit across the change is unphysical, the proportional model says ratio 1: full width."""
+    state, fraction, decisions = SemiState(), 1.0, []
+    for _ in range(4):
+        d = _decide([0.10, 0.05 + 0.15 * fraction], [1.0, fraction], state, mode="resize")
+        decisions.append(d)
+        fraction = d.fraction
+    assert [d.action for d in decisions] == ["resize"] * 4
+    assert decisions[0].fraction == pytest.approx(0.5)  # one window: t = b w, so 1 / ratio
+    assert all(d.ratio == pytest.approx(2.0) for d in decisions)
+    assert all(d.fraction == pytest.approx(1 / 3) for d in decisions[1:])  # 0.05 + 0.15 f == 0.1
+    recovered = _decide([0.10, 0.1 * fraction], [1.0, fraction], state, mode="resize")
+    assert recovered.action == "restore" and recovered.ratio == pytest.approx(1.0)
+
+
 def test_semi_migrates_what_it_can_and_resizes_the_rest_when_migration_alone_cannot_balance():
     heavy = dict(times=[0.10, 0.20], work=[1.0, 1.0], bytes_per_column_step=1e6, bandwidth=1e9)
     # 40% of the work is row-parallel: balancing a 2x straggler needs (2-1)/(2+1)/0.4 = 83% of

@@ -3,8 +3,14 @@
 Every rank of a tensor-parallel group times its own compute per step (time not spent
 waiting on collectives) and the group all-gathers the numbers, so every rank holds the
 same list and every decision below, a pure function of it, is the same on every rank.
-Over a window of steps each rank's speed is its time divided by the work it was given
-(kept fraction, migrated share), which keeps a resized straggler from looking cured. A rank
+Over a window of steps each rank's time is modelled as affine in the work it was given
+(kept fraction, migrated share): t = a + b w, with a the part that does not shrink with
+its shard (attention scores, norms, the loss, resizing's own gathers) and b the time per
+whole shard. Two windows at different work levels give a and b; until there are two (or
+where a fit is not physical: a < 0 or b <= 0, e.g. across a recovery) the controller takes
+t = b w. Each rank's full-width time a + b is what it is compared on, which keeps a resized
+straggler from looking cured, and the kept fraction solves a + b f = the others' time,
+rather than 1/ratio, which would resize ever harder while the fixed part stays. A rank
 slower than the median of the others by `threshold` is a straggler:
 
 - light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy);
@@ -76,6 +82,29 @@ class SemiState:
     last_straggler: int | None = None
     action: str = "keep"  # what is in force: keep | resize | migrate
     step: int = 0
+    windows: list[list[list[float]]] = field(default_factory=list)  # recent windows: [mean times, mean work]
+
+
+HISTORY = 8  # windows kept for the affine fit
+MIN_WORK_SPREAD = 0.05  # two windows fit a line only if their work differs by this much
+
+
+def full_width_times(times: list[float], work: list[float], windows: list[list[list[float]]]) -> tuple[list[float], list[tuple[float, float]]]:
+    """Each rank's time at full width (work 1) and its fit (a, b) of t = a + b w, from this
+    window and the latest earlier one at a different work level (t = b w without one)."""
+    full, fits = [], []
+    for r, (t, w) in enumerate(zip(times, work)):
+        a, b = 0.0, t / max(w, 1e-9)
+        for past_times, past_work in reversed(windows):
+            if abs(past_work[r] - w) >= MIN_WORK_SPREAD:
+                slope = (t - past_times[r]) / (w - past_work[r])
+                intercept = t - slope * w
+                if slope > 0 and intercept >= 0:
+                    a, b = intercept, slope
+                break
+        fits.append((a, b))
+        full.append(a + b)
+    return full, fits
 
 
 def decide(
@@ -88,7 +117,8 @@ def decide(
     `bytes_per_column_step`: bytes migration moves per step per fraction of a shard moved;
     `migratable`: the share of a rank's tp work that migration can move (its row-parallel linears).
     """
-    speed = [t / max(w, 1e-9) for t, w in zip(times, work)]
+    speed, fits = full_width_times(times, work, state.windows)
+    state.windows = (state.windows + [[list(times), list(work)]])[-HISTORY:]
     straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
     others = [speed[r] for r in range(len(speed)) if r != straggler] or [speed[straggler]]
     ratio = speed[straggler] / max(statistics.median(others), 1e-12)
@@ -104,7 +134,9 @@ def decide(
     keep_after = min(1.0, max(config.min_fraction, (1 + moved) / (ratio * (1 - moved))))  # resize the rest
     move_bytes = int(bytes_per_column_step * migrate_fraction)
     move_s = move_bytes / bandwidth if bandwidth else 0.0
-    keep_fraction = max(config.min_fraction, min(1.0, 1.0 / ratio))
+    # a + b f = the others' time (their full-width time: they keep full width)
+    fixed, per_shard = fits[straggler]
+    keep_fraction = max(config.min_fraction, min(1.0, (statistics.median(others) - fixed) / max(per_shard, 1e-12)))
 
     def made(action, fraction, why, keep=1.0):
         state.action = action if action != "restore" else "keep"
