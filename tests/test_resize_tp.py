@@ -159,6 +159,26 @@ def test_semi_migrates_what_it_can_and_resizes_the_rest_when_migration_alone_can
     assert enough.action == "migrate" and enough.fraction == pytest.approx(1 / 3) and enough.keep == 1.0
 
 
+def test_semi_undoes_a_migration_measured_slower_than_doing_nothing():
+    """Rank 1 is 2x slower (0.2 s at full width). SEMI migrates; the window after, the
+    slowest rank takes 0.22 s, slower than 0.2 s with nothing done: SEMI resizes instead,
+    says why, and does not migrate again until the rank recovers. A migration that helps
+    (0.15 s) stays."""
+    config = dict(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(), bytes_per_column_step=1e6, bandwidth=1e9)
+    state = config["state"]
+    first = decide([0.10, 0.20], [1.0, 1.0], **{k: v for k, v in config.items()})
+    assert first.action == "migrate" and state.before_migration_s == pytest.approx(0.20)
+    moved = first.fraction
+    worse = decide([0.13, 0.22], [1.0 + moved, 1.0 - moved], **config)
+    assert worse.action == "resize" and "migration measured slower" in worse.why and "220.0 ms" in worse.why
+    again = decide([0.10, 0.20 * worse.fraction], [1.0, worse.fraction], **config)
+    assert again.action == "resize"  # heavy and persistent still, but not migrated again
+    assert decide([0.10, 0.10], [1.0, 1.0], **config).action == "restore" and not state.migration_failed
+    good = dict(config, state=SemiState(persistent=3, last_straggler=1))
+    decide([0.10, 0.20], [1.0, 1.0], **good)
+    assert decide([0.14, 0.15], [1.0 + moved, 1.0 - moved], **good).action == "migrate"
+
+
 def test_resizing_migration_and_the_controller_at_tp2():
     results = launch("resize_workers:resize_suite", 2, {}, timeout_s=300)
     for result in results:

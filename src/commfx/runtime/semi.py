@@ -6,9 +6,10 @@ same list and every decision below, a pure function of it, is the same on every 
 Over a window of steps each rank's time is modelled as affine in the work it was given
 (kept fraction, migrated share): t = a + b w, with a the part that does not shrink with
 its shard (attention scores, norms, the loss, resizing's own gathers) and b the time per
-whole shard. Two windows at different work levels give a and b; until there are two (or
-where a fit is not physical: a < 0 or b <= 0, e.g. across a recovery) the controller takes
-t = b w. Each rank's full-width time a + b is what it is compared on, which keeps a resized
+whole shard, fitted by least squares over the recent windows once their work levels differ;
+until then (or where the line is not physical: a < 0 or b <= 0) the controller takes
+t = b w, and a window far off the line (the rank recovered or slowed further) starts the
+fit anew. Each rank's full-width time a + b is what it is compared on, which keeps a resized
 straggler from looking cured, and the kept fraction solves a + b f = the others' time,
 rather than 1/ratio, which would resize ever harder while the fixed part stays. A rank
 slower than the median of the others by `threshold` is a straggler:
@@ -20,6 +21,10 @@ slower than the median of the others by `threshold` is a straggler:
   faster rank adds their partial product to its own), so where `max_migrate` of them
   cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
   (semi-migration: most of the gap closed losslessly, the remainder by resizing);
+- a migration after which the slowest rank is slower than the straggler was at full width
+  before it (measured, the window after) is undone for resizing, and SEMI does not migrate
+  again until the rank recovers: the cost model can be wrong (migrated columns wait on the
+  straggler's own input), the measurement is not;
 - recovered: full width and no migration again.
 
 Each decision is logged with its numbers (ratio, excess seconds, bytes and seconds to move).
@@ -62,6 +67,9 @@ class Decision:
     fraction: float  # kept fraction (resize) or migrated fraction (migrate)
     why: str
     keep: float = 1.0  # migrate: the fraction the straggler also keeps (< 1 where migration alone cannot balance)
+    times: list[float] = field(default_factory=list)  # the window's mean compute seconds per rank
+    work: list[float] = field(default_factory=list)  # ... and work share per rank
+    fits: list[list[float]] = field(default_factory=list)  # per rank (a, b) of t = a + b w
 
     def line(self) -> str:
         who = f"rank {self.straggler}" if self.straggler is not None else "no straggler"
@@ -83,42 +91,89 @@ class SemiState:
     action: str = "keep"  # what is in force: keep | resize | migrate
     step: int = 0
     windows: list[list[list[float]]] = field(default_factory=list)  # recent windows: [mean times, mean work]
+    step_walls: list[float] = field(default_factory=list)  # per step: the slowest rank's wall time
+    # SEMI checks a migration against doing nothing: the step time of the latest window at
+    # full width; a migration measured slower is not tried again until a recovery.
+    full_width_step_s: float = 0.0
+    before_migration_s: float = 0.0
+    migration_failed: str = ""  # why, once measured slower
 
 
 HISTORY = 8  # windows kept for the affine fit
-MIN_WORK_SPREAD = 0.05  # two windows fit a line only if their work differs by this much
+MIN_WORK_SPREAD = 0.1  # the windows fit a line only if their work levels span this much
+MIGRATION_MARGIN = 0.05  # a migration whose slowest rank is this much slower than before it failed
+CHANGED = 0.4  # a window this far (relative) off the fit so far: the rank's speed changed
 
 
-def full_width_times(times: list[float], work: list[float], windows: list[list[list[float]]]) -> tuple[list[float], list[tuple[float, float]]]:
-    """Each rank's time at full width (work 1) and its fit (a, b) of t = a + b w, from this
-    window and the latest earlier one at a different work level (t = b w without one)."""
+def affine_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least squares t = a + b w over (work, time) points; None where the work levels are too
+    close to tell a from b, or the line is not physical (b <= 0 or a < 0)."""
+    works = [w for w, _ in points]
+    if len(points) < 2 or max(works) - min(works) < MIN_WORK_SPREAD:
+        return None
+    mean_w = statistics.fmean(works)
+    mean_t = statistics.fmean(t for _, t in points)
+    slope = sum((w - mean_w) * (t - mean_t) for w, t in points) / sum((w - mean_w) ** 2 for w in works)
+    intercept = mean_t - slope * mean_w
+    return (intercept, slope) if slope > 0 and intercept >= 0 else None
+
+
+def _trimmed(windows: list[list[list[float]]]) -> list[list[list[float]]]:
+    """The last HISTORY windows, plus the latest older one whose work differs from the newest
+    for some rank: a rank held at one width for a long time keeps the lever arm of its fit."""
+    recent = windows[-HISTORY:]
+    newest_work = windows[-1][1]
+    spread = lambda ws: any(abs(w[1][r] - newest_work[r]) >= MIN_WORK_SPREAD for w in ws for r in range(len(newest_work)))  # noqa: E731
+    if spread(recent):
+        return recent
+    older = [w for w in windows[:-HISTORY] if spread([w])]
+    return older[-1:] + recent
+
+
+def full_width_times(times: list[float], work: list[float], state: "SemiState") -> tuple[list[float], list[tuple[float, float]]]:
+    """Each rank's time at full width (work 1) and its fit (a, b) of t = a + b w over the
+    recent windows and this one (t = b w where no line fits). A window far off the line the
+    earlier ones fit (a rank that recovered or slowed down) starts the history anew. Windows
+run under a migration are not fitted (the fit of the windows before stands)."""
+    def points(r: int, windows) -> list[tuple[float, float]]:
+        return [(past_work[r], past_times[r]) for past_times, past_work in windows]
+
+    if state.action == "migrate":
+        # Compute times under migration include its hand-offs: not fitted. The fit of the
+        # windows before stands, unless time per unit of work now reads faster (a recovery).
+        fits = []
+        for r, (t, w) in enumerate(zip(times, work)):
+            proportional = (0.0, t / max(w, 1e-9))
+            fit = affine_fit(points(r, state.windows)) or proportional
+            fits.append(min(fit, proportional, key=sum))
+        return [a + b for a, b in fits], fits
+    for r, (t, w) in enumerate(zip(times, work)):
+        fit = affine_fit(points(r, state.windows))
+        if fit is not None and abs(fit[0] + fit[1] * w - t) > CHANGED * max(t, 1e-12):
+            state.windows = []
+            break
+    state.windows = _trimmed(state.windows + [[list(times), list(work)]])
     full, fits = [], []
     for r, (t, w) in enumerate(zip(times, work)):
-        a, b = 0.0, t / max(w, 1e-9)
-        for past_times, past_work in reversed(windows):
-            if abs(past_work[r] - w) >= MIN_WORK_SPREAD:
-                slope = (t - past_times[r]) / (w - past_work[r])
-                intercept = t - slope * w
-                if slope > 0 and intercept >= 0:
-                    a, b = intercept, slope
-                break
-        fits.append((a, b))
-        full.append(a + b)
+        fit = affine_fit(points(r, state.windows)) or (0.0, t / max(w, 1e-9))
+        fits.append(fit)
+        full.append(fit[0] + fit[1])
     return full, fits
 
 
 def decide(
     times: list[float], work: list[float], state: SemiState, config: SemiConfig, bytes_per_column_step: float, bandwidth: float,
-    migratable: float = 1.0,
+    migratable: float = 1.0, step_s: float | None = None,
 ) -> Decision:
     """The decision for one window (pure: the same inputs give the same decision on every rank).
 
     `times`/`work`: each rank's mean compute seconds and work share over the window;
     `bytes_per_column_step`: bytes migration moves per step per fraction of a shard moved;
-    `migratable`: the share of a rank's tp work that migration can move (its row-parallel linears).
+    `migratable`: the share of a rank's tp work that migration can move (its row-parallel linears);
+    `step_s`: the window's step wall time (default: the slowest rank's compute time).
     """
-    speed, fits = full_width_times(times, work, state.windows)
-    state.windows = (state.windows + [[list(times), list(work)]])[-HISTORY:]
+    speed, fits = full_width_times(times, work, state)
+    seen = (list(times), list(work), [list(fit) for fit in fits])
     straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
     others = [speed[r] for r in range(len(speed)) if r != straggler] or [speed[straggler]]
     ratio = speed[straggler] / max(statistics.median(others), 1e-12)
@@ -140,27 +195,38 @@ def decide(
 
     def made(action, fraction, why, keep=1.0):
         state.action = action if action != "restore" else "keep"
-        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why, keep)
+        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why, keep, *seen)
 
     if ratio < 1 + config.threshold:
+        state.migration_failed, state.before_migration_s = "", 0.0  # recovered: migration may be tried again
         if state.action != "keep":
             return made("restore", 1.0, f"the slowest rank is within {config.threshold:.0%} of the others: full width")
-        return Decision(state.step, "keep", None, ratio, excess, move_bytes, move_s, 1.0, "no straggler")
+        return Decision(state.step, "keep", None, ratio, excess, move_bytes, move_s, 1.0, "no straggler", 1.0, *seen)
     if config.mode == "off":
-        return Decision(state.step, "keep", straggler, ratio, excess, move_bytes, move_s, 1.0, "resize_tp mode=off")
+        return Decision(state.step, "keep", straggler, ratio, excess, move_bytes, move_s, 1.0, "resize_tp mode=off", 1.0, *seen)
     heavy = ratio >= config.heavy_ratio
     persistent = state.persistent + 1 >= config.persist_windows
     worth = move_s < excess
-    if config.mode == "migrate" or (config.mode == "semi" and heavy and persistent and worth):
+    step = max(times) if step_s is None else step_s
+    if all(w == 1.0 for w in work):
+        state.full_width_step_s = step  # nothing resized nor migrated: what doing nothing costs
+    if config.mode == "semi" and state.action == "migrate" and state.before_migration_s and step > state.before_migration_s * (1 + MIGRATION_MARGIN):
+        state.migration_failed = (
+            f"migration measured slower: a step took {step * 1e3:.1f} ms with it, "
+            f"against {state.before_migration_s * 1e3:.1f} ms at full width without it"
+        )
+    if config.mode == "migrate" or (config.mode == "semi" and heavy and persistent and worth and not state.migration_failed):
         if config.mode == "migrate":
             return made("migrate", migrate_fraction, "mode=migrate")
+        if state.action != "migrate":
+            state.before_migration_s = state.full_width_step_s or max(speed)
         why = f"heavy (ratio >= {config.heavy_ratio}) and persistent ({state.persistent + 1} windows), and moving costs less than the excess"
         if keep_after < 1.0 and needed > migrate_fraction:
             why += f"; migrating {migrate_fraction:.0%} of its row-parallel columns cannot balance the ranks, so it keeps {keep_after:.0%} too"
             return made("migrate", migrate_fraction, why, keep_after)
         return made("migrate", migrate_fraction, why)
     why = "mode=resize" if config.mode == "resize" else (
-        "light" if not heavy else "transient" if not persistent else "moving would cost more than the excess"
+        "light" if not heavy else "transient" if not persistent else state.migration_failed or "moving would cost more than the excess"
     )
     return made("resize", keep_fraction, f"{why}: keep {keep_fraction:.0%} of its columns")
 
@@ -210,35 +276,39 @@ class SemiController:
             return None
         started, blocked = self._start
         self._start = None
-        compute_s = (time.perf_counter() - started) - (self.scheduler.blocked_s - blocked)
+        wall_s = time.perf_counter() - started
+        compute_s = wall_s - (self.scheduler.blocked_s - blocked)
         if self.adjust is not None:
-            compute_s = self.adjust(self.state.step, compute_s)
+            compute_s = wall_s = self.adjust(self.state.step, compute_s)  # an injected time stands for the whole step
         self.errors.append(self.resizer.error())
-        times, work = self.gather(compute_s, self.my_work())
+        times, work, walls = self.gather(compute_s, self.my_work(), wall_s)
         self.state.step += 1
         self.state.samples.append(times)
         self.state.work.append(work)
+        self.state.step_walls.append(max(walls))
         if self.state.step % self.config.window:
             return None
         window, shares = self.state.samples[-self.config.window :], self.state.work[-self.config.window :]
-        mean_times = [statistics.fmean(step[r] for step in window) for r in range(len(times))]
+        # the median step: one outlier (the first step lowers the graph) does not move it
+        mean_times = [statistics.median(step[r] for step in window) for r in range(len(times))]
         mean_work = [statistics.fmean(step[r] for step in shares) for r in range(len(times))]
-        decision = decide(mean_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable)
+        step_s = statistics.median(self.state.step_walls[-self.config.window :])
+        decision = decide(mean_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable, step_s)
         self.apply(decision)
         self.decisions.append(decision)
         if self.log and decision.action != "keep" and self.resizer.tp_rank == 0:
             print(f"commfx: resize_tp (rank {self.scheduler.rank}, tp group): {decision.line()}", file=sys.stderr, flush=True)
         return decision
 
-    def gather(self, compute_s: float, work: float) -> tuple[list[float], list[float]]:
-        """Every rank's (time, work), the same list on every rank: each rank writes its slot of
-        a zero vector and the group sums them (one small all-reduce, exact)."""
+    def gather(self, compute_s: float, work: float, wall_s: float) -> tuple[list[float], list[float], list[float]]:
+        """Every rank's (compute time, work, wall time), the same lists on every rank: each rank
+        writes its slots of a zero vector and the group sums them (one small all-reduce, exact)."""
         size = self.resizer.tp_size
-        slots = torch.zeros(2 * size, dtype=torch.float64)
-        slots[self.resizer.tp_rank] = compute_s
-        slots[size + self.resizer.tp_rank] = work
+        slots = torch.zeros(3 * size, dtype=torch.float64)
+        for i, value in enumerate((compute_s, work, wall_s)):
+            slots[i * size + self.resizer.tp_rank] = value
         summed = self.scheduler.all_reduce(slots, self.group, kind="tp_timings").tolist()
-        return summed[:size], summed[size:]
+        return summed[:size], summed[size : 2 * size], summed[2 * size :]
 
     def apply(self, decision: Decision) -> None:
         me = self.resizer.tp_rank
