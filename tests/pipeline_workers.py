@@ -127,7 +127,8 @@ def dp_powersgd(rank: int, world_size: int) -> dict:
                 errors = all_reduce(state["error.w"].clone()) / world_size  # scale x sum_i E_i
                 worst = max(worst, (true_sum - sent_sum - errors).abs().max().item())
         out[f"drift {error_feedback}"] = (true_sum - sent_sum).norm().item()
-        out["telescoping"] = worst if error_feedback else out["telescoping"]
+        if error_feedback:
+            out["telescoping"] = worst
         out[f"q {error_feedback}"] = state["q.w"]
     return out
 

@@ -184,6 +184,8 @@ def test_selective_stage_compression_plan_and_dump():
         check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:dp_stages=3", world_size=4, pp=2), model)
     with pytest.raises(PlanError, match=r"dp_stages=1 compresses the data-parallel all-reduce, but this plan has dp=1"):
         check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:dp_stages=1", world_size=2, pp=2), model)
+    with pytest.raises(PlanError, match="dp_rank must be at least 1, got 0"):
+        check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:dp_stages=1;dp_rank=0", world_size=4, pp=2), model)
     plan = Plan.from_cli("lift,pipeline_split,compress_pipeline:boundaries=none;dp_stages=1;dp_rank=2", world_size=4, pp=2)
     pipeline = compile_program(model, plan, inputs).annotations["pipeline"]
     assert [b.codec for b in pipeline.boundaries] == [None]

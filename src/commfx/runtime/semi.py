@@ -21,8 +21,8 @@ slower than the median of the others by `threshold` is a straggler:
   faster rank adds their partial product to its own), so where `max_migrate` of them
   cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
   (semi-migration: most of the gap closed losslessly, the remainder by resizing);
-- a migration after which the slowest rank is slower than the straggler was at full width
-  before it (measured, the window after) is undone for resizing, and SEMI does not migrate
+- a migration after which a step takes longer than a step at full width did before it
+  (measured, the window after) is undone for resizing, and SEMI does not migrate
   again until the rank recovers: the cost model can be wrong (migrated columns wait on the
   straggler's own input), the measurement is not;
 - recovered: full width and no migration again.
@@ -67,9 +67,6 @@ class Decision:
     fraction: float  # kept fraction (resize) or migrated fraction (migrate)
     why: str
     keep: float = 1.0  # migrate: the fraction the straggler also keeps (< 1 where migration alone cannot balance)
-    times: list[float] = field(default_factory=list)  # the window's mean compute seconds per rank
-    work: list[float] = field(default_factory=list)  # ... and work share per rank
-    fits: list[list[float]] = field(default_factory=list)  # per rank (a, b) of t = a + b w
 
     def line(self) -> str:
         who = f"rank {self.straggler}" if self.straggler is not None else "no straggler"
@@ -90,7 +87,7 @@ class SemiState:
     last_straggler: int | None = None
     action: str = "keep"  # what is in force: keep | resize | migrate
     step: int = 0
-    windows: list[list[list[float]]] = field(default_factory=list)  # recent windows: [mean times, mean work]
+    windows: list[list[list[float]]] = field(default_factory=list)  # recent windows: [median step times, mean work]
     step_walls: list[float] = field(default_factory=list)  # per step: the slowest rank's wall time
     # SEMI checks a migration against doing nothing: the step time of the latest window at
     # full width; a migration measured slower is not tried again until a recovery.
@@ -101,7 +98,7 @@ class SemiState:
 
 HISTORY = 8  # windows kept for the affine fit
 MIN_WORK_SPREAD = 0.1  # the windows fit a line only if their work levels span this much
-MIGRATION_MARGIN = 0.05  # a migration whose slowest rank is this much slower than before it failed
+MIGRATION_MARGIN = 0.05  # a migration whose step is this much slower than a full-width step failed
 CHANGED = 0.4  # a window this far (relative) off the fit so far: the rank's speed changed
 
 
@@ -173,7 +170,6 @@ def decide(
     `step_s`: the window's step wall time (default: the slowest rank's compute time).
     """
     speed, fits = full_width_times(times, work, state)
-    seen = (list(times), list(work), [list(fit) for fit in fits])
     straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
     others = [speed[r] for r in range(len(speed)) if r != straggler] or [speed[straggler]]
     ratio = speed[straggler] / max(statistics.median(others), 1e-12)
@@ -195,15 +191,15 @@ def decide(
 
     def made(action, fraction, why, keep=1.0):
         state.action = action if action != "restore" else "keep"
-        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why, keep, *seen)
+        return Decision(state.step, action, straggler if action != "restore" else None, ratio, excess, move_bytes, move_s, fraction, why, keep)
 
     if ratio < 1 + config.threshold:
         state.migration_failed, state.before_migration_s = "", 0.0  # recovered: migration may be tried again
         if state.action != "keep":
             return made("restore", 1.0, f"the slowest rank is within {config.threshold:.0%} of the others: full width")
-        return Decision(state.step, "keep", None, ratio, excess, move_bytes, move_s, 1.0, "no straggler", 1.0, *seen)
+        return Decision(state.step, "keep", None, ratio, excess, move_bytes, move_s, 1.0, "no straggler")
     if config.mode == "off":
-        return Decision(state.step, "keep", straggler, ratio, excess, move_bytes, move_s, 1.0, "resize_tp mode=off", 1.0, *seen)
+        return Decision(state.step, "keep", straggler, ratio, excess, move_bytes, move_s, 1.0, "resize_tp mode=off")
     heavy = ratio >= config.heavy_ratio
     persistent = state.persistent + 1 >= config.persist_windows
     worth = move_s < excess
@@ -290,10 +286,10 @@ class SemiController:
             return None
         window, shares = self.state.samples[-self.config.window :], self.state.work[-self.config.window :]
         # the median step: one outlier (the first step lowers the graph) does not move it
-        mean_times = [statistics.median(step[r] for step in window) for r in range(len(times))]
+        window_times = [statistics.median(step[r] for step in window) for r in range(len(times))]
         mean_work = [statistics.fmean(step[r] for step in shares) for r in range(len(times))]
         step_s = statistics.median(self.state.step_walls[-self.config.window :])
-        decision = decide(mean_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable, step_s)
+        decision = decide(window_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable, step_s)
         self.apply(decision)
         self.decisions.append(decision)
         if self.log and decision.action != "keep" and self.resizer.tp_rank == 0:
