@@ -28,8 +28,11 @@ class TrainConfig:
 
 
 def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Next-token cross entropy for a language model (int inputs, [B, S, V] logits); else mean square."""
+    """The model's own loss when it returns one (a 0-dim tensor); next-token cross entropy for a
+    language model (int inputs, [B, S, V] logits); else mean square."""
     logits = pytree.tree_flatten(outputs)[0][0]
+    if logits.dim() == 0 and logits.is_floating_point():
+        return logits
     ids = inputs[0]
     if ids.dim() and ids.shape[0] == 0:  # a rank without rows this step: no loss, but it still runs backward
         return logits.float().sum() * 0

@@ -132,6 +132,19 @@ def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[tor
     return [torch.randn((global_rows, *o.shape[1:]), generator=generator, dtype=o.dtype) for o in outputs]
 
 
+def per_rank(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """A model that returns its own loss (every output a scalar over its batch): each as one
+    row, so the ranks' rows stack to one loss per data shard, what data parallelism averages.
+    Returns (outputs, whether they are losses)."""
+    scalars = [o.dim() == 0 for o in outputs]
+    if any(scalars) and not all(scalars):
+        raise ValueError(
+            "verify: the model returns a scalar (a loss over its batch) beside batched outputs; return the loss "
+            "alone, or the outputs without it (verify then builds its own loss from them)"
+        )
+    return [o.reshape(1) if o.dim() == 0 else o for o in outputs], bool(scalars) and all(scalars)
+
+
 def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[dict]:
     """Run on every rank by the launcher: one result per case."""
     from torch.utils import _pytree as pytree
@@ -149,8 +162,8 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
         if isinstance(dm, PipelineModule):
             results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed))
             continue
-        outputs, _ = pytree.tree_flatten(dm(*local))
-        loss = sum((o * split_batch(p, parts, part)).sum() for o, p in zip(outputs, probes(outputs, global_rows, case.seed)))
+        outputs, losses = per_rank(pytree.tree_flatten(dm(*local))[0])
+        loss = sum((o * split_batch(p, parts, part)).sum() for o, p in zip(outputs, probes(outputs, parts if losses else global_rows, case.seed)))
         loss.backward()
         results.append(
             {
@@ -195,10 +208,27 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
     if capacity <= 0:
         with training_forward(model):
             outputs, _ = pytree.tree_flatten(model(*inputs))
+        if any(o.dim() == 0 for o in outputs):  # the model returns its loss: one per data shard
+            return _per_shard_reference(case, model, inputs, case.plan.topology.dp, scale)
         loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
         (loss * scale).backward()
         return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return _capacity_reference(case, model, inputs, case.plan.topology.dp, scale, capacity)
+
+
+def _per_shard_reference(case, model, inputs, shards, scale):
+    """A model that returns its own loss: each data shard's loss, as data parallelism sees it."""
+    from torch.utils import _pytree as pytree
+
+    model.zero_grad(set_to_none=True)
+    pieces = []
+    with training_forward(model):
+        for rank in range(shards):
+            pieces.append(per_rank(pytree.tree_flatten(model(*(split_batch(t, shards, rank) for t in inputs)))[0])[0])
+    outputs = [torch.cat([piece[i] for piece in pieces]) for i in range(len(pieces[0]))]
+    loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, shards, case.seed)))
+    (loss * scale).backward()
+    return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _capacity_reference(case, model, inputs, shards, scale, capacity):

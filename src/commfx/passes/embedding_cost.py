@@ -10,6 +10,11 @@ is reached by uniform ids; real text repeats words, so U is an upper bound):
                                                     (P-1) * U (H e + 8)      + counts
 - shard:  ids to owners, rows back, row gradients to owners, each a (P-1)/P share of U:
                                                     (P-1)/P * U (2 H e + 8)  + counts
+An untied LM head whose logits feed only the loss (`lift_heads`) has its own two choices:
+- dense: the all-reduce of its [V, H] gradient, as for a table;
+- shard: vocabulary-parallel (`ops/vocab_parallel.py`): every rank's hidden states and
+  labels to every rank, per token two statistics to every rank, and backward one row of
+  hidden-state gradient per other rank's token:    (P-1) T (2 H e + 8 + 2 P e) + counts.
 Time is collectives x (latency + per-collective overhead) + bytes / link bandwidth, with
 the topology's figures (the inter-node link when ranks span nodes). The sharded table's
 two forward all-to-alls sit on the critical path; the others overlap backward.
@@ -62,9 +67,26 @@ def estimate(rows: int, width: int, dtype_bytes: int, tokens: int, topology: Top
     return {e.strategy: e for e in (sparse, shard, dense)}
 
 
+def estimate_head(rows: int, width: int, dtype_bytes: int, tokens: int, topology: Topology, parts: int) -> dict[str, Estimate]:
+    """Bytes and time of an LM head per step: dense all-reduce or split over the vocabulary."""
+    world = topology.world_size
+    spans_nodes = topology.ranks_per_node and topology.ranks_per_node < world
+    bandwidth = topology.inter_node_bandwidth if spans_nodes else topology.intra_node_bandwidth
+    per_collective = topology.inter_node_latency_s + topology.collective_overhead_s
+
+    def make(strategy, nbytes, collectives, why_not=""):
+        seconds = collectives * per_collective + nbytes / bandwidth if world > 1 else 0.0
+        return Estimate(strategy, int(nbytes) if world > 1 else 0, collectives if world > 1 else 0, seconds, not why_not, why_not)
+
+    dense = make("dense", 2 * (world - 1) * rows * width * dtype_bytes / world, 2 * (world - 1))
+    per_token = 2 * width * dtype_bytes + ID_BYTES + 2 * parts * dtype_bytes
+    shard = make("shard", (parts - 1) * (tokens * per_token + 2 * ID_BYTES), 6, shard_problem(rows, parts))
+    return {"shard": shard, "dense": dense}
+
+
 def choose(estimates: dict[str, Estimate]) -> Estimate:
     """The fastest applicable strategy (ties: the order of STRATEGIES)."""
-    candidates = [estimates[s] for s in STRATEGIES if estimates[s].applicable]
+    candidates = [estimates[s] for s in STRATEGIES if s in estimates and estimates[s].applicable]
     return min(candidates, key=lambda e: (e.seconds, STRATEGIES.index(e.strategy)))
 
 

@@ -25,6 +25,7 @@ from ..plan import Plan
 from ..compiler.program import Program, module_paths, stamp
 from .base import Pass, PassError, register
 from .lift_embeddings import lift_embeddings
+from .lift_heads import lift_heads
 
 commfx = torch.ops.commfx
 
@@ -113,7 +114,8 @@ class Lift(Pass):
     """Spell MoE blocks (router, experts) with canonical commfx ops; enabling pass.
 
     Recognisers are the EXPERTS_PATTERNS table; unmatched MoE-looking modules are reported.
-    Embedding lookups become commfx.embedding (recognisers in lift_embeddings.py).
+    Embedding lookups become commfx.embedding (recognisers in lift_embeddings.py); an LM head
+    whose logits feed only a cross-entropy loss is recorded for split_embedding_comm (lift_heads.py).
     """
 
     name = "lift"
@@ -154,6 +156,7 @@ class Lift(Pass):
         program.annotations["kept_routers"] = kept_routers
         tables, kept_lookups = lift_embeddings(program)
         program.annotations["embeddings"], program.annotations["kept_embeddings"] = tables, kept_lookups
+        program.annotations["lm_heads"], program.annotations["kept_heads"] = lift_heads(program, tables)
         program.gm.recompile()
         return bool(blocks or tables)
 

@@ -80,17 +80,17 @@ def _padding_row(target, padding_idx, num_rows: int) -> int:
     return padding_idx + num_rows if padding_idx < 0 else int(padding_idx)
 
 
-def _attr(program: Program, target: str):
+def attribute(program: Program, target: str):
     owner_path, _, leaf = target.rpartition(".")
     return getattr(program.gm.get_submodule(owner_path) if owner_path else program.gm, leaf)
 
 
 def _other_uses(program: Program, target: str) -> list[str]:
     """Where the table's weight is used other than by a lookup (an LM head sharing it)."""
-    weight = _attr(program, target)
+    weight = attribute(program, target)
     uses = []
     for node in program.graph.nodes:
-        if node.op != "get_attr" or _attr(program, node.target) is not weight:
+        if node.op != "get_attr" or attribute(program, node.target) is not weight:
             continue
         for user in node.users:
             if user.target is not commfx.embedding.default:

@@ -7,6 +7,10 @@ so instead of all-reducing the dense [V, H] gradient each table gets one of
   sparse - replicated; every rank sends its coalesced (row id, row gradient) pairs;
   dense  - the usual all-reduce (and always for a table tied with an LM head, whose
            gradient is dense: the head touches every row).
+An untied LM head whose logits feed only the loss (`lift_heads`) is the output table: its
+gradient is dense, but it is computed from the tokens' hidden states, which are small, so
+`head=shard` splits it over the vocabulary (`ops/vocab_parallel.py`) and its gradient is
+never all-reduced; `head=auto` picks by the same cost model, `head=dense` keeps it.
 `embedding_cost` picks per table from vocabulary, width, tokens per rank, world and the
 plan's link figures (`strategy=auto`), and the lookup's dump comment shows the numbers.
 Gradients stay what dense data parallelism computes (sum over ranks, times the plan's
@@ -25,7 +29,7 @@ from torch import nn
 from ..compiler.program import Program, stamp
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
-from .embedding_cost import STRATEGIES, Estimate, choose, estimate, shard_problem
+from .embedding_cost import STRATEGIES, Estimate, choose, estimate, estimate_head, shard_problem
 
 commfx = torch.ops.commfx
 PASS = "split_embedding_comm"
@@ -52,15 +56,23 @@ class SplitEmbeddingComm(Pass):
         # True where the caller owns full-size tables (the torch.compile backend): nothing
         # shards them, so row sharding is unavailable and auto picks sparse or dense.
         shard_in_graph: bool = False
+        head: str = "auto"  # auto | shard | dense: the LM head (see lift_heads), split over the vocabulary or not
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("embeddings"))
+        return bool(program.annotations.get("embeddings") or program.annotations.get("lm_heads"))
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.strategy not in ("auto", *STRATEGIES):
             raise PlanError(f"split_embedding_comm strategy must be auto, {', '.join(STRATEGIES)}; got {options.strategy!r}")
+        if options.head not in ("auto", "shard", "dense"):
+            raise PlanError(f"split_embedding_comm head must be auto, shard or dense; got {options.head!r}")
+        if options.head == "shard" and options.shard_in_graph:
+            raise PlanError(
+                "split_embedding_comm head=shard needs commfx.distribute (each rank holds a block of the head's rows); "
+                "under torch.compile's commfx backend use head=dense or auto"
+            )
         tables = model_tables(model) if model is not None else {}
         chosen = _selected(tables, options) if model is not None else set()
         if options.strategy in ("shard", "sparse") and model is not None:
@@ -127,7 +139,41 @@ class SplitEmbeddingComm(Pass):
                     "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
                 }
             changed = changed or pick != "dense"
+        changed = self._split_heads(program, options, plan, tokens, decisions) or changed
         program.gm.recompile()
+        return changed
+
+    def _split_heads(self, program: Program, options: Options, plan: Plan, tokens: int, decisions: dict) -> bool:
+        heads = program.annotations.get("lm_heads") or []
+        if options.head == "shard" and not heads:
+            kept = program.annotations.get("kept_heads") or ["no cross_entropy over a linear in the graph"]
+            raise PassError(
+                "split_embedding_comm head=shard: the graph has no LM head to split. A head can be split when its "
+                "logits feed only a cross_entropy loss computed in the model's forward (return the loss, not the "
+                f"logits). Found: {'; '.join(kept)}. Use head=auto or head=dense"
+            )
+        parts = plan.topology.expert_parallel_size
+        nodes = {n.name: n for n in program.graph.nodes}
+        changed = False
+        for head in heads:
+            weight = program.gm.get_parameter(head["weight"])
+            estimates = estimate_head(head["num_rows"], head["dim"], weight.element_size(), tokens, plan.topology, parts)
+            if options.shard_in_graph:
+                estimates["shard"] = dataclasses.replace(estimates["shard"], applicable=False, why_not="the caller owns the full head")
+            if options.head == "shard" and not estimates["shard"].applicable:
+                raise PassError(f"LM head {head['weight']} cannot be split over the vocabulary: {estimates['shard'].why_not}")
+            pick = options.head if options.head != "auto" else choose(estimates).strategy
+            reason = "head option" if options.head != "auto" else "cost model"
+            decisions[head["weight"]] = {"strategy": pick, "reason": reason, "head": True, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
+            purpose = f"LM head {head['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
+            if pick != "shard":
+                stamp(nodes[head["linear"]], PASS, purpose)
+                continue
+            _vocab_parallel_head(program, head, nodes, parts, purpose)
+            program.annotations.setdefault("shards", {})[head["weight"]] = {
+                "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
+            }
+            changed = True
         return changed
 
 
@@ -181,6 +227,33 @@ def _row_sharded(program: Program, lookup: fx.Node, table: dict, parts: int, pur
     stamp(route, PASS, purpose)
     lookup.replace_all_uses_with(out)
     graph.erase_node(lookup)
+
+
+def _vocab_parallel_head(program: Program, head: dict, nodes: dict[str, fx.Node], parts: int, purpose: str) -> None:
+    """linear + shape ops + cross_entropy -> one commfx.vocab_parallel_loss over this rank's rows."""
+    graph = program.graph
+    loss, linear = nodes[head["loss"]], nodes[head["linear"]]
+    hidden, weight = linear.args[0], linear.args[1]
+    labels = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
+    with graph.inserting_before(loss):
+        rows = graph.call_method("reshape", (hidden, -1, head["dim"]))
+        targets = graph.call_method("reshape", (labels, -1))
+        split = graph.call_function(
+            commfx.vocab_parallel_loss.default,
+            (rows, weight, targets, head["ignore_index"], head["reduction"], SHARD_GROUP, parts, EMBED_PRIORITY),
+        )
+        value = graph.call_function(operator.getitem, (split, 0))
+    for node in (rows, targets, split, value):
+        node.meta["nn_module_stack"] = dict(linear.meta.get("nn_module_stack", {}))
+    stamp(split, PASS, purpose)
+    loss.replace_all_uses_with(value)
+    dead = [loss]
+    node = loss.args[0]
+    while node is not linear:
+        dead.append(node)
+        node = node.args[0]
+    for node in (*dead, linear):
+        graph.erase_node(node)
 
 
 def model_tables(model: nn.Module) -> dict[str, dict]:
