@@ -47,6 +47,16 @@ def gpt_moe_words():
     return model, (word_batch(),)
 
 
+def gpt_moe_words_loss():
+    """gpt_moe_words returning its own next-token loss (`commfx.models.NextTokenLoss`): the
+    logits stay inside the forward, so split_embedding_comm can split the 50k LM head over
+    the vocabulary. The batch: the same 16 windows, one word longer, as (input ids, labels)."""
+    from commfx.models import NextTokenLoss, build_gpt_moe, shifted
+
+    model, _ = build_gpt_moe(vocab_size=VOCAB, hidden_size=HIDDEN, num_experts=4, expert_hidden=64, max_seq=SEQ)
+    return NextTokenLoss(model), shifted(word_batch(seq=SEQ + 1))
+
+
 def olmoe_words():
     """HF OLMoE (transformers' own modelling code, randomly initialised): hidden 64, 2 layers,
     4 experts top-2, untied 50k vocabulary."""

@@ -102,3 +102,57 @@ def reference(world_size: int, rows: int) -> dict:
             optimizer.step()
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+def train_each_head(rank: int, world_size: int, rows: int, heads: list[str]) -> dict:
+    """A model that returns its own loss, per `head=` choice: the step-0 loss and gradients,
+    bytes by kind, and the parameters after STEPS steps of each optimizer."""
+    from embedding_lm import build_loss
+
+    _, inputs = build_loss(rows)
+    local = tuple(split_batch(t, world_size, rank) for t in inputs)
+    results = {}
+    for head in heads:
+        model, _ = build_loss(rows)
+        plan = Plan.from_cli(f"lift,split_embedding_comm:head={head}", world_size=world_size)
+        dm = distribute(model.double(), plan, local)
+        start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
+        result = {"decisions": {k: v["strategy"] for k, v in dm.program.annotations["embedding_comm"].items()}, "placement": dm.placement}
+        for name, make in OPTIMIZERS.items():
+            dm.load_state_dict(start)
+            optimizer = make(dm.parameters())
+            for step in range(STEPS):
+                optimizer.zero_grad(set_to_none=True)
+                dm.scheduler.stats.reset()
+                loss = dm(*local)
+                loss.backward()
+                if step == 0 and name == "sgd":
+                    result["loss"] = loss.detach()
+                    result["grads"] = {n: p.grad.clone() for n, p in dm.module.named_parameters()}
+                    result["bytes"] = dm.scheduler.stats.as_dict()
+                optimizer.step()
+            result[name] = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+        results[head] = result
+    return results
+
+
+def loss_reference(world_size: int, rows: int) -> dict:
+    """Dense data parallelism in one process: each rank's loss on its own share, the
+    gradient of their mean (DDP's), and the same optimizer steps."""
+    from embedding_lm import build_loss
+
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        model, inputs = build_loss(rows)
+        model = model.double()
+        optimizer = make(model.parameters())
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            losses = torch.stack([model(*(split_batch(t, world_size, r) for t in inputs)) for r in range(world_size)])
+            losses.mean().backward()
+            if step == 0 and name == "sgd":
+                out["losses"] = losses.detach()
+                out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            optimizer.step()
+        out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out

@@ -40,3 +40,20 @@ def batch(rows: int, seed: int = 0) -> torch.Tensor:
 def build(rows: int = 7):
     torch.manual_seed(0)
     return EmbeddingLM(), (batch(rows),)
+
+
+def build_loss(rows: int = 7):
+    """EmbeddingLM returning its own next-token loss (NextTokenLoss); the last position of
+    every window has no next token, so its label is ignore_index (-100)."""
+    from commfx.models import NextTokenLoss
+
+    ids = batch(rows)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    torch.manual_seed(0)
+    return NextTokenLoss(EmbeddingLM()), (ids, labels)
+
+
+def build_loss_9():
+    """build_loss on 9 rows (a model file for `commfx verify` at world 4: ranks of 3, 2, 2, 2)."""
+    return build_loss(9)

@@ -7,6 +7,7 @@ batch; the runtime splits it along dim 0 across data-parallel ranks.
 from __future__ import annotations
 
 import importlib.util
+import sys
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from typing import Callable
 import torch
 
 from .gpt_moe import GPTMoE, GPTMoEConfig, build_gpt_moe
+from .lm_loss import NextTokenLoss, shifted
 
 ModelAndInputs = tuple[torch.nn.Module, tuple[torch.Tensor, ...]]
 
@@ -54,6 +56,7 @@ def _load_from_file(spec: str, *, seed: int, dtype: torch.dtype) -> ModelAndInpu
         raise ValueError(f"model file {path} does not exist (from model spec {spec!r})")
     module_spec = importlib.util.spec_from_file_location(f"commfx_user_model_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dynamo resolves a traced function's globals through its module's name
     try:
         module_spec.loader.exec_module(module)
     except SyntaxError as error:
@@ -106,4 +109,4 @@ def _user_line(error: BaseException, path: Path) -> str:
     return f" (at {path}:{frames[-1].lineno})" if frames else ""
 
 
-__all__ = ["BUILTIN_MODELS", "GPTMoE", "GPTMoEConfig", "build_gpt_moe", "load_model"]
+__all__ = ["BUILTIN_MODELS", "GPTMoE", "GPTMoEConfig", "NextTokenLoss", "build_gpt_moe", "load_model", "shifted"]
