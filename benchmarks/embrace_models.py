@@ -60,6 +60,17 @@ def gpt_moe_words_loss():
 def olmoe_words():
     """HF OLMoE (transformers' own modelling code, randomly initialised): hidden 64, 2 layers,
     4 experts top-2, untied 50k vocabulary."""
+    return _olmoe(), (word_batch(),)
+
+
+def olmoe_words_loss():
+    """olmoe_words returning its own next-token loss (NextTokenLoss over the HF model's logits)."""
+    from commfx.models import NextTokenLoss, shifted
+
+    return NextTokenLoss(_olmoe()), shifted(word_batch(seq=SEQ + 1))
+
+
+def _olmoe():
     from transformers import AutoModelForCausalLM
 
     from commfx.models.hf import hf_config
@@ -71,4 +82,4 @@ def olmoe_words():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model.train()
-    return model, (word_batch(),)
+    return model

@@ -248,9 +248,11 @@ def choose_experts_implementation(model: torch.nn.Module) -> str | None:
 
     The choice never changes the function (every implementation computes the same experts),
     so it stays on the model: a float64 reference run of the same model then works too.
-    Returns the implementation chosen (None for models without one).
+    Returns the implementation chosen (None for models without one). An HF model inside a
+    module of the user's (a loss wrapper) is found: the outermost one is set.
     """
-    if not is_hf_model(model) or not hasattr(model, "set_experts_implementation"):
+    model = next((m for m in model.modules() if is_hf_model(m) and hasattr(m, "set_experts_implementation")), None)
+    if model is None:
         return None
     current = getattr(model.config, "_experts_implementation", None)
     parameter = next((p for p in model.parameters() if p.is_floating_point()), None)

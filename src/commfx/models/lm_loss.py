@@ -1,7 +1,7 @@
 """A language model that returns its own next-token loss, as training code often writes it.
 
 `NextTokenLoss(lm)(input_ids, labels)` is `F.cross_entropy(lm(input_ids).flatten(0, 1),
-labels.flatten())`: the logits never leave the forward, so `split_embedding_comm` can split
+labels.flatten())` (an HF CausalLM's `.logits` taken from its output): the logits never leave the forward, so `split_embedding_comm` can split
 the LM head over the vocabulary (head=shard) and its dense gradient is never all-reduced.
 """
 
@@ -20,6 +20,7 @@ class NextTokenLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.lm(input_ids)
+        logits = getattr(logits, "logits", logits)  # an HF model's ModelOutput
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.ignore_index)
 
 
