@@ -5,6 +5,8 @@ Subclasses override a short, documented set of methods:
 - `call_collective(node, args, kwargs)`: nodes that communicate (commfx comm ops);
 - `on_value(node, value)`: a node's value is ready (BackwardExecutor hands gradients to
   the gradient sync here, so their all-reduce starts while backward goes on).
+ForwardExecutor settles a parameter whose update was deferred (defer_grad_sync) just before
+the first node that uses it.
 The comm scheduler is active for the whole run, so comm ops find it.
 """
 
@@ -91,6 +93,38 @@ def pay_delay(scheduler: CommScheduler) -> None:
     scheduler.slow_debt_s = max(-SLEEP_SLICE_S, scheduler.slow_debt_s - (time.perf_counter() - start))
 
 
+class ForwardExecutor(GraphExecutor):
+    """Runs a forward graph whose first inputs are the parameters (aot_autograd's order, the
+    gradient sync's slots). Before a node that is the first to use a parameter whose
+    gradient is still on the wire, the parameter is settled (reduced, then stepped)."""
+
+    def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, deferred, **kwargs):
+        super().__init__(gm, scheduler, **kwargs)
+        self.deferred = deferred  # DeferredStep
+        self._first_use = first_uses(gm, deferred.sync.num_slots)
+
+    def run_node(self, node: fx.Node):
+        slots = self._first_use.get(node)
+        if slots and self.deferred.pending:
+            self.deferred.settle(slots)
+        return super().run_node(node)
+
+
+def first_uses(gm: fx.GraphModule, num_params: int) -> dict[fx.Node, list[int]]:
+    """node -> the parameters (input indices < num_params) it is the first to use. Cached on the graph."""
+    cached = gm.meta.get("commfx_first_uses")
+    if cached is None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:num_params]
+        slot_of, cached = {p: i for i, p in enumerate(placeholders)}, {}
+        for node in gm.graph.nodes:
+            for source in node.all_input_nodes:
+                slot = slot_of.pop(source, None)
+                if slot is not None:
+                    cached.setdefault(node, []).append(slot)
+        gm.meta["commfx_first_uses"] = cached
+    return cached
+
+
 class BackwardExecutor(GraphExecutor):
     """Runs a backward graph whose first outputs are parameter gradients (aot_autograd's
     order) and reduces them with `grad_sync` as they appear; returns the reduced ones."""
@@ -110,9 +144,9 @@ class BackwardExecutor(GraphExecutor):
 
     def run(self, *args):
         outputs = list(super().run(*args))
-        for slot, reduced in self.grad_sync.finish().items():
+        for slot, reduced in self.grad_sync.finish().items():  # None: deferred (defer_grad_sync)
             outputs[slot] = reduced
         return outputs
 
 
-__all__ = ["BackwardExecutor", "GraphExecutor", "is_collective"]
+__all__ = ["BackwardExecutor", "ForwardExecutor", "GraphExecutor", "first_uses", "is_collective"]

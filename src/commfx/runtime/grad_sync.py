@@ -15,6 +15,12 @@ pieces are queued strictly in index order, which is the same on every rank: that
 each group's collective order identical everywhere. `finish` (end of backward) queues
 what is left, with zeros for gradients this step did not produce, waits, and returns the
 reduced gradients.
+
+With `defer` on (the defer_grad_sync pass, once an optimizer is attached), `finish` does not
+wait: buckets still on the wire become `InFlight` and their slots come back as None (no
+gradient yet); `settle` waits for them later and returns their reduced gradients, which
+`deferred_step.DeferredStep` applies. A bucket over a group of one rank (nothing to wait
+for) is never deferred.
 """
 
 from __future__ import annotations
@@ -51,6 +57,16 @@ class Bucket:
         return len(self.grads) == len(self.slots)
 
 
+@dataclass(eq=False)
+class InFlight:
+    """A bucket of an earlier backward whose all-reduce may still be running."""
+
+    group: str
+    offsets: dict[int, int]  # slot that had a gradient -> where it starts in `flat`
+    flat: torch.Tensor
+    pending: list[Pending | None]
+
+
 class GradientSync:
     def __init__(
         self,
@@ -72,6 +88,8 @@ class GradientSync:
         self.buckets = _make_buckets(slots, bucket_bytes)
         self._bucket_of = {slot: bucket for bucket in self.buckets for slot in bucket.slots}
         self._next = 0
+        self.defer = False
+        self.in_flight: dict[int, InFlight] = {}  # slot -> its deferred bucket
 
     @property
     def num_slots(self) -> int:
@@ -86,24 +104,26 @@ class GradientSync:
             self._issue(self.buckets[self._next])
             self._next += 1
 
-    def finish(self) -> dict[int, torch.Tensor]:
-        """Queue the rest, wait for every bucket, and return slot -> reduced gradient."""
+    def finish(self) -> dict[int, torch.Tensor | None]:
+        """Queue the rest, wait for every bucket, and return slot -> reduced gradient (None:
+        deferred, see `settle`)."""
         for bucket in self.buckets[self._next :]:
             self._issue(bucket)
-        reduced: dict[int, torch.Tensor] = {}
+        reduced: dict[int, torch.Tensor | None] = {}
         try:
             for bucket in self.buckets:
-                for pending in bucket.pending:
-                    self.scheduler.wait(pending)
-                scale = self.scales.get(bucket.group, self.scale)
-                if scale != 1.0:
-                    bucket.flat.mul_(scale)
-                offset = 0
+                offsets, offset = {}, 0
                 for slot in bucket.slots:
-                    numel = self.slots[slot].param.numel()
                     if slot in bucket.grads:
-                        reduced[slot] = bucket.flat[offset : offset + numel].view(self.slots[slot].param.shape)
-                    offset += numel
+                        offsets[slot] = offset
+                    offset += self.slots[slot].param.numel()
+                flight = InFlight(bucket.group, offsets, bucket.flat, bucket.pending)
+                if self.defer and any(p is not None for p in bucket.pending):
+                    for slot in offsets:
+                        self.in_flight[slot] = flight
+                        reduced[slot] = None
+                else:
+                    reduced.update(self._reduced(flight))
         finally:
             for bucket in self.buckets:
                 bucket.grads.clear()
@@ -111,6 +131,35 @@ class GradientSync:
                 bucket.flat = None
             self._next = 0
         return reduced
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.in_flight)
+
+    def settle(self, slots=None) -> dict[int, torch.Tensor]:
+        """Wait for the deferred buckets holding `slots` (all of them by default) and return
+        slot -> reduced gradient for every slot of those buckets."""
+        wanted = list(self.in_flight) if slots is None else [s for s in slots if s in self.in_flight]
+        reduced: dict[int, torch.Tensor] = {}
+        for slot in wanted:
+            flight = self.in_flight.get(slot)
+            if flight is None:  # settled with an earlier slot of its bucket
+                continue
+            for member in flight.offsets:
+                del self.in_flight[member]
+            reduced.update(self._reduced(flight))
+        return reduced
+
+    def _reduced(self, flight: InFlight) -> dict[int, torch.Tensor]:
+        for pending in flight.pending:
+            self.scheduler.wait(pending)
+        scale = self.scales.get(flight.group, self.scale)
+        if scale != 1.0:
+            flight.flat.mul_(scale)
+        return {
+            slot: flight.flat[offset : offset + self.slots[slot].param.numel()].view(self.slots[slot].param.shape)
+            for slot, offset in flight.offsets.items()
+        }
 
     def _issue(self, bucket: Bucket) -> None:
         pieces = []

@@ -24,7 +24,8 @@ from torch.utils import _pytree as pytree
 from ..plan import Plan
 from .comm import CommScheduler, install_default
 from .expert_placement import Decision, placements_of, replace_experts
-from .executor import BackwardExecutor, GraphExecutor
+from .deferred_step import DeferredStep
+from .executor import BackwardExecutor, ForwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
 from .semi import make_controller
 from .trace import Timeline
@@ -63,10 +64,14 @@ class DistributedModule(torch.nn.Module):
         self.placement = placement  # sharded parameter -> [start, stop) of the full dim 0 held here
         install_default(scheduler)
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
+        # defer_grad_sync: the all-reduce runs on into the next forward once an optimizer is attached
+        self.deferred = DeferredStep(self.grad_sync) if program.annotations.get("grad_sync") == "next_forward" else None
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
         # resize_tp: shard widths as runtime state, set each window by the SEMI controller
         resize = program.annotations.get("tp_resize")
         self.straggler = make_controller(self.module, resize, scheduler, plan.topology, plan.topology.tp_index(scheduler.rank)) if resize else None
+        if self.straggler is not None:  # the units this rank computes for another (resize_tp unit migration): parameters too
+            self.tp_slots = self.straggler.resizer.slots
         # One lowering per input signature. The captured graph is symbolic in batch and (where
         # the model allows) sequence length and the same on every rank, so a rank lowers a new
         # shape on its own: its collectives are the graph's, in the graph's order, whatever
@@ -127,10 +132,13 @@ class DistributedModule(torch.nn.Module):
 
     def _compile(self, inputs):
         def forward(gm):
+            if self.deferred is not None:
+                return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline).run(*args)
 
         def backward(gm):
             def run(*args):
+                self.synchronize()  # what the forward did not use is settled before new gradients come
                 grads = BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
                 if self.straggler is not None:
                     self.straggler.end_step()  # the step is over on this rank: time it, maybe resize
@@ -144,16 +152,28 @@ class DistributedModule(torch.nn.Module):
     def comm_stats(self):
         return self.scheduler.stats
 
+    def synchronize(self) -> None:
+        """Apply every gradient still on the wire and the optimizer step it missed
+        (defer_grad_sync; a no-op otherwise). state_dict() and re-placement call it; call it
+        before reading parameters or gradients outside forward and backward."""
+        if self.deferred is not None:
+            self.deferred.settle()
+
     # -- expert placement (pack_experts) -------------------------------------------------
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-place packed experts every `pack_experts:replace_every` steps of `optimizer`
-        (after its step, on every rank alike), moving its state with the weights."""
+        (after its step, on every rank alike), moving its state with the weights; under
+        defer_grad_sync, let `optimizer` step parameters whose gradients arrive late."""
+        if self.deferred is not None:
+            self.deferred.attach(optimizer)
         every = max((spec["replace_every"] for spec in self.packing.values()), default=0)
         if not every:
             return
 
         def after_step(opt, args, kwargs):
+            if self.deferred is not None and self.deferred.stepping:
+                return  # a deferred parameter's catch-up, not a training step
             self.optimizer_steps += 1
             if self.optimizer_steps % every == 0:
                 self.replace_experts(opt)
@@ -163,12 +183,14 @@ class DistributedModule(torch.nn.Module):
     def replace_experts(self, optimizer: torch.optim.Optimizer | None = None) -> list[Decision]:
         """Re-place every packed layer's experts now from the all-reduced routing statistics
         (collective: call on every rank at the same point, between steps)."""
+        self.synchronize()
         balance = min((spec["balance"] for spec in self.packing.values()), default=0.1)
         decisions = replace_experts(self.placements, self.scheduler, self.module, optimizer, balance)
         self.placement_log.append(decisions)
         return decisions
 
     def get_extra_state(self) -> dict:
+        self.synchronize()  # runs before the parameters are saved (this module's own state comes first)
         state = {
             "placement": self.placement,
             "world_size": self.plan.topology.world_size,

@@ -1,0 +1,52 @@
+"""defer_grad_sync: let the gradient all-reduce run on into the next step's forward.
+
+Backward produces gradients in reverse layer order, so its all-reduce always ends with a
+tail that nothing overlaps: the last buckets are still on the wire when backward is done,
+and the optimizer waits for them. Yet the next forward needs a parameter only when it
+reaches the layer that uses it, and the link is idle while the forward computes (EmbRace's
+2D scheduling, the dense half; ByteScheduler and PyTorch's own "overlap optimizer with
+forward" make the same observation). With this pass the runtime does not wait at the end
+of backward: `optimizer.step()` updates the parameters whose gradients are in, and each
+other parameter is updated by the same optimizer, with the hyperparameters it had at that
+step, the moment the next forward first uses it (or at `synchronize()`, `state_dict()`, or
+the next backward). Lossless: the same parameters after every step (float64 tests).
+
+The graph does not change: the pass marks the program and the runtime does the rest
+(`runtime/deferred_step.py`). The module must know the optimizer
+(`dm.attach_optimizer(optimizer)`; `commfx run` and `commfx bench` do it), and nothing may
+read gradients between backward and step (clip_grad_norm_ would see the deferred ones as
+missing); without an attached optimizer gradients are reduced in backward as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..compiler.program import Program
+from ..plan import Plan, PlanError
+from .base import Pass, register
+
+PASS = "defer_grad_sync"
+
+
+@register
+class DeferGradSync(Pass):
+    """Gradient all-reduce overlaps the next forward; each parameter updated at its first use."""
+
+    name = PASS
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        enabled: bool = True
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Options, model) -> None:
+        if options.enabled and "pipeline_split" in plan.pass_names():
+            raise PlanError(
+                "defer_grad_sync does not work with pipeline_split yet: a pipeline stage steps after its last "
+                "micro-batch, where nothing of the next forward is left to overlap; drop one of them"
+            )
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        program.annotations["grad_sync"] = "next_forward" if options.enabled else "backward"
+        return False
