@@ -244,6 +244,8 @@ def priority_class(name: str) -> PriorityClass:
 
 register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
 register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")
+# defer_grad_sync: buckets of parameters the next forward uses first, ahead of the rest of the gradients
+register_priority_class("grad_next", 90, "gradient all-reduce the next forward waits for first (defer_grad_sync)", groups=("dp", "edp"))
 # Pipeline stages wait for each other's activations and gradients: critical, like all-to-all,
 # on clones of the pp groups only (a lane per direction and peer keeps sends from blocking recvs).
 register_priority_class("pp", 10, "pipeline point-to-point: activations forward, activation gradients backward", groups=("pp",))

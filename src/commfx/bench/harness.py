@@ -91,6 +91,10 @@ class BenchConfig:
     slow_method: str = "auto"
     healthy: tuple[str, ...] = ()  # labels of plans measured without the straggler
     slow: SlowRank | None = None  # how the straggler is made (set by run_bench once it is)
+    # Training steps per timed round (each phase is timed over them and divided): with
+    # defer_grad_sync one step's gradient traffic overlaps the next step's forward, which a
+    # round of one step can not show. Every round ends with the plan's traffic settled.
+    steps_per_round: int = 1
 
 
 # --------------------------------------------------------------------------- worker side
@@ -119,6 +123,9 @@ class _PlanRunner:
         self.replace_every = max((spec["replace_every"] for spec in packing.values()), default=0)
         self.real_steps = 0
         self.placement_lines: list[str] = []  # what each re-placement did (the same on every rank)
+        self.steps_per_round = config.steps_per_round
+        if getattr(self.dm, "deferred", None) is not None:
+            self.dm.deferred.attach(self.optimizer)  # defer_grad_sync: the optimizer catches deferred parameters up
 
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
@@ -140,13 +147,21 @@ class _PlanRunner:
         self.scheduler.barrier()
         blocked = self.scheduler.blocked_s
         start = time.monotonic()
-        self._train_step()
-        span = (start, time.monotonic())
-        self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked)  # this rank's timer: wall less comm waits
+        self._train_steps()
+        span = _per_step(start, time.monotonic(), self.steps_per_round)
+        self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked) / self.steps_per_round  # wall less comm waits
         self.records, self.scheduler.records = self.scheduler.records, None
-        stats = self.scheduler.stats.as_dict()
-        self._replace_experts_when_due()
+        stats = {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
+        for _ in range(self.steps_per_round):
+            self._replace_experts_when_due()
         return span, stats
+
+    def _train_steps(self) -> None:
+        """`steps_per_round` training steps back to back, then every deferred gradient settled."""
+        for _ in range(self.steps_per_round):
+            self._train_step()
+        if not self.pipelined:
+            self.dm.synchronize()
 
     def _replace_experts_when_due(self) -> None:
         """pack_experts:replace_every=N: re-place experts after every N real steps, as a
@@ -168,8 +183,8 @@ class _PlanRunner:
             self.controller.enabled = False  # local timings only: nothing to decide on
         try:
             start = time.monotonic()
-            self._train_step()
-            return start, time.monotonic()
+            self._train_steps()
+            return _per_step(start, time.monotonic(), self.steps_per_round)
         finally:
             self.scheduler.local_only = False
             if self.controller is not None:
@@ -191,7 +206,7 @@ class _PlanRunner:
                 self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
         for pending in transfers:
             self.scheduler.wait(pending)
-        return start, time.monotonic()
+        return _per_step(start, time.monotonic(), self.steps_per_round)
 
     def traced_step(self, rank: int, trace_dir: str) -> str:
         """One more training step with the timeline on; writes this rank's trace file."""
@@ -226,6 +241,11 @@ class _PlanRunner:
         if self.controller is None:
             return []
         return [d.line() for d in self.controller.decisions if d.action != "keep"]
+
+
+def _per_step(start: float, end: float, steps: int) -> tuple[float, float]:
+    """A span of `steps` steps as the span of one (the same start, a 1/steps share of the time)."""
+    return start, start + (end - start) / steps
 
 
 def _dummy_buffer(record) -> torch.Tensor:
@@ -348,6 +368,7 @@ class BenchResult:
     steps: int
     warmup: int
     plans: list[PlanResult]
+    steps_per_round: int = 1
     paired_wall_ratio: Timing | None = None  # per-round plan wall / baseline wall
     calibration: dict | None = None
     machine: dict = field(default_factory=dict)
@@ -391,6 +412,7 @@ class BenchResult:
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.nodes * self.ranks_per_node,
             "inter_node_link": self.link, "emulated": self.emulated, "cluster": self.cluster,
             "fallback_reason": self.fallback_reason, "steps": self.steps, "warmup": self.warmup,
+            "steps_per_round": self.steps_per_round,
             "plans": [p.as_dict() for p in self.plans],
             "ratios_plan_over_baseline": self.ratios(),
             "wall_over_baseline": self.wall_ratios(),
@@ -423,7 +445,7 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
         model=config.model, model_kwargs=config.model_kwargs, nodes=cluster.nodes,
         ranks_per_node=cluster.ranks_per_node, link=str(link) if link else None, emulated=cluster.emulated,
         cluster=cluster.describe(), fallback_reason=cluster.reason, steps=config.steps, warmup=config.warmup,
-        plans=plans, paired_wall_ratio=paired, machine=machine_info(),
+        steps_per_round=config.steps_per_round, plans=plans, paired_wall_ratio=paired, machine=machine_info(),
         date=_dt.date.today().isoformat(), straggler=config.slow.as_dict() if config.slow else None,
     )
 
@@ -551,7 +573,7 @@ def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> 
 
 
 def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0, pp: int = 1,
-                 model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2,
+                 model_kwargs: dict[str, Any] | None = None, steps: int = 10, warmup: int = 2, steps_per_round: int = 1,
                  lr: float = 1e-3, seed: int = 0, also: list[tuple[str, str]] | None = None,
                  link: LinkSpec | None = None, flops_per_rank: float | None = None,
                  grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None,
@@ -606,7 +628,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed,
-                       slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy))
+                       slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy), steps_per_round=steps_per_round)
 
 
 def run_bench(config: BenchConfig, *, link: LinkSpec | None, emulate: bool = True, calibrate_first: bool = False,

@@ -59,6 +59,9 @@ def add_parser(subparsers) -> None:
                         help="a plan measured without the straggler, e.g. --healthy baseline (repeatable)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured rounds (default 10)")
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="rounds run before measuring (default 2)")
+    parser.add_argument("--steps-per-round", type=positive_int, default=1,
+                        help="training steps per timed round, each phase timed over them and divided (default 1); "
+                             "more than 1 shows defer_grad_sync, whose gradient traffic overlaps the next step's forward")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
@@ -123,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     link = None if args.inter_node.strip().lower() == "none" else LinkSpec.parse(args.inter_node)
     config = build_config(
         args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep, pp=args.pp,
-        model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
+        model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, steps_per_round=args.steps_per_round, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
@@ -132,7 +135,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))
     vs = f" vs {args.vs!r}" if args.vs is not None else ""
-    console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds, "
+    console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds"
+                  f"{f' of {args.steps_per_round} steps each' if args.steps_per_round > 1 else ''}, "
                   f"model config {config.model_kwargs}", markup=False)
     result = run_bench(config, link=link, emulate=not args.no_emulation, calibrate_first=args.calibrate,
                        console=console, timeout_s=args.timeout)

@@ -27,6 +27,12 @@ class DeferredStep:
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepping = False  # inside our own optimizer.step() (other step hooks should ignore it)
         self.caught_up = 0  # parameters stepped after their optimizer step, so far (for tests and reports)
+        self.ordered = False
+
+    def order(self, position: dict[int, float]) -> None:
+        """Where the forward first uses each parameter (0..1): the urgent buckets go first."""
+        self.sync.order_for_forward(position)
+        self.ordered = True
         self._missed: dict[int, tuple[list[dict], torch.Tensor | None]] = {}  # slot -> (hyperparameters, grad set aside)
 
     @property
@@ -37,6 +43,7 @@ class DeferredStep:
         """Defer from now on: `optimizer`'s steps skip, then catch up, deferred parameters."""
         self.optimizer = optimizer
         self.sync.defer = True
+        self.sync.scheduler.dispatcher.enforce_priority = True  # gradient lanes yield to critical traffic, urgent ones first
         optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer, args, kwargs) -> None:

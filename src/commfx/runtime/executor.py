@@ -102,6 +102,9 @@ class ForwardExecutor(GraphExecutor):
         super().__init__(gm, scheduler, **kwargs)
         self.deferred = deferred  # DeferredStep
         self._first_use = first_uses(gm, deferred.sync.num_slots)
+        if not deferred.ordered:  # the first forward: urgent buckets from where their parameters are first used
+            nodes = {n: i for i, n in enumerate(gm.graph.nodes)}
+            deferred.order({slot: nodes[n] / len(nodes) for n, slots in self._first_use.items() for slot in slots})
 
     def run_node(self, node: fx.Node):
         slots = self._first_use.get(node)

@@ -32,6 +32,12 @@ import torch
 from .comm import CommScheduler
 from .priority import Pending
 
+# defer_grad_sync: buckets whose parameters the forward uses in its first half go in the
+# `grad_next` class, ahead of the others. Backward produces them last, and the next forward
+# would otherwise wait for them behind every other bucket of the FIFO.
+NEXT_PRIORITY = "grad_next"
+URGENT_SHARE = 0.5
+
 
 @dataclass
 class Slot:
@@ -50,6 +56,7 @@ class Bucket:
     group: str
     slots: list[int]
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    priority: str = ""  # "" : the sync's class
     flat: torch.Tensor | None = None
     pending: list[Pending | None] = field(default_factory=list)
 
@@ -136,6 +143,13 @@ class GradientSync:
     def pending(self) -> bool:
         return bool(self.in_flight)
 
+    def order_for_forward(self, position: dict[int, float]) -> None:
+        """slot -> where the forward first uses it (0..1): urgent buckets get the `grad_next`
+        class. Called with the forward graph, the same on every rank, before any backward."""
+        for bucket in self.buckets:
+            first = min((position[s] for s in bucket.slots if s in position), default=1.0)
+            bucket.priority = NEXT_PRIORITY if first < URGENT_SHARE else ""
+
     def settle(self, slots=None) -> dict[int, torch.Tensor]:
         """Wait for the deferred buckets holding `slots` (all of them by default) and return
         slot -> reduced gradient for every slot of those buckets."""
@@ -173,7 +187,7 @@ class GradientSync:
         for i, chunk in enumerate(chunks):
             tag = f"bucket {bucket.index} chunk {i + 1}/{len(chunks)}"
             bucket.pending.append(
-                self.scheduler.start_all_reduce(chunk, bucket.group, kind="grad_all_reduce", priority=self.priority, tag=tag)
+                self.scheduler.start_all_reduce(chunk, bucket.group, kind="grad_all_reduce", priority=bucket.priority or self.priority, tag=tag)
             )
 
 
