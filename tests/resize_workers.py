@@ -113,3 +113,204 @@ def resize_suite(rank: int, world_size: int) -> dict:
     result["seen"] = seen
     result["restored_at_end"] = resizer.migration is None and resizer.fraction == 1.0
     return result
+
+
+# ----------------------------------------------------------------------- unit migration
+
+
+class _Attention(torch.nn.Module):
+    """Separate q/k/v (q and v biased) or a fused qkv: both column shapes a unit must cover."""
+
+    def __init__(self, hidden, heads, fused):
+        super().__init__()
+        self.heads, self.fused = heads, fused
+        if fused:
+            self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        else:
+            # no k bias: softmax cancels it, so its gradient is rounding noise that Adam amplifies
+            self.q, self.k, self.v = (torch.nn.Linear(hidden, hidden, bias=name != "k") for name in "qkv")
+        self.o = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, h):
+        b, s, d = h.shape
+        if self.fused:
+            q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        else:
+            q, k, v = (f(h).view(b, s, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, d))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, hidden, heads, mlp, fused):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.attn = _Attention(hidden, heads, fused)
+        self.mlp = _Mlp(hidden, mlp)
+
+    def forward(self, h):
+        h = h + self.attn(self.ln1(h))
+        return h + self.mlp(self.ln2(h))
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, hidden, mlp):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, mlp), torch.nn.Linear(mlp, hidden)
+
+    def forward(self, h):
+        return self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+class DenseTiny(torch.nn.Module):
+    """A dense GPT small enough for float64 tests: every block tensor-parallel."""
+
+    def __init__(self, vocab=32, hidden=32, heads=8, mlp=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList([_Layer(hidden, heads, mlp, fused=False), _Layer(hidden, heads, mlp, fused=True)])
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def dense_tiny():
+    torch.manual_seed(0)
+    model = DenseTiny().double()
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def _full_grads(dm):
+    """Every local gradient as the giver would hold it: the taker's slot gradients summed back
+    into the giver's slices (collective), so runs with and without migration compare."""
+    grads = {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None}
+    resizer = dm.straggler.resizer if dm.straggler is not None else None
+    migration = resizer.unit_migration if resizer is not None else None
+    if migration:
+        for key in sorted(migration["counts"]):
+            block, count = resizer.units[key], migration["counts"][key]
+            for (name, dim, layout), slot in zip(block.tensors, block.slots):
+                index = block.index(layout, block.units - count, count)
+                shape = list(resizer.params[name].shape)
+                shape[dim] = index.numel()
+                buffer = torch.zeros(shape, dtype=torch.float64)
+                if resizer.tp_rank == migration["taker"]:
+                    buffer.copy_(slot.grad)
+                dm.scheduler.all_reduce(buffer, "tp", kind="test")
+                if resizer.tp_rank == migration["giver"]:
+                    assert grads[name].index_select(dim, index).abs().max() == 0  # the giver computed none of them
+                    grads[name].index_copy_(dim, index, buffer)
+    return grads
+
+
+def _unit_step(dm, ids, probe):
+    out = dm(ids)
+    (out * probe).sum().backward()
+    result = out.detach(), _full_grads(dm)
+    dm.zero_grad(set_to_none=True)
+    return result
+
+
+def _params(dm):
+    return {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def unit_suite(rank: int, world_size: int) -> dict:
+    model, ids = dense_tiny()
+    probe = torch.randn((*ids.shape, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    plain = distribute(copy.deepcopy(model), Plan.from_cli("lift,tensor_parallel", world_size=world_size, tp=world_size), (ids,))
+    dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:window=2", world_size=world_size, tp=world_size), (ids,))
+    controller, resizer = dm.straggler, dm.straggler.resizer
+    controller.adjust = lambda step, seconds: 0.1 * controller.my_work()  # the same speed everywhere: no decision
+    result = {"blocks": {k: (b.units, b.unit) for k, b in resizer.units.items()}, "mode": controller.config.migrate}
+    reference = _unit_step(plain, ids, probe)
+    result["plain_untouched"] = _diff(reference, _unit_step(dm, ids, probe))
+
+    # The last rank gives most of its units to rank 0 (heads and MLP column blocks, every block).
+    giver, taker = world_size - 1, 0
+    counts = {k: b.units - 1 for k, b in resizer.units.items()}
+    before = _params(dm)
+    result["moved_bytes"] = resizer.move_units(giver, taker, counts)
+    result["slot_sizes"] = [tuple(p.shape) for p in resizer.slots.parameters()]
+    migrated = _unit_step(dm, ids, probe)
+    result["migrated"] = _diff(reference, migrated)
+    records = _records(dm, ids, probe)
+    result["records_match"] = records == _records(plain, ids, probe)
+    # no traffic per step beyond plain tp's own collectives
+    result["records_kinds"] = sorted({r[0] for r in records})
+    resizer.move_units(0, 0, {})
+    result["undo_exact"] = all(torch.equal(before[n], p) for n, p in _params(dm).items())
+    result["slots_empty_after_undo"] = all(p.numel() == 0 for p in resizer.slots.parameters())
+    result["plans_plain_after_undo"] = all(resizer.plan(k).is_plain() for k in resizer.linears) and not any(b.taken for b in resizer.units.values())
+    result["restored"] = _diff(reference, _unit_step(dm, ids, probe))
+
+    # AdamW (weight decay on): 5 steps without migration, and with units moved after step 1
+    # (optimizer state moves with them), moved differently after step 2, moved back after step 4.
+    start = copy.deepcopy(dm.state_dict())
+    runs = []
+    for migrate in (False, True):
+        dm.load_state_dict(start)
+        optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-2, weight_decay=0.1)
+        dm.attach_optimizer(optimizer)
+        for step in range(5):
+            if migrate and step == 1:
+                resizer.move_units(giver, taker, counts)
+            if migrate and step == 2:
+                resizer.move_units(giver, taker, {k: 1 for k in counts})
+            if migrate and step == 4:
+                resizer.move_units(0, 0, {})
+            out = dm(ids)
+            (out * probe).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        runs.append(_params(dm))
+        if migrate:
+            result["slot_state_after_undo"] = sum(1 for p in resizer.slots.parameters() if p in optimizer.state)
+    result["training_diff"] = _max_diff(*runs)
+    resizer.optimizer = None
+
+    # state_dict while migrated: the layout and the slots come back with it.
+    dm.load_state_dict(start)
+    resizer.move_units(giver, taker, counts)
+    saved = copy.deepcopy(dm.state_dict())
+    out_saved = dm(ids).detach()
+    resizer.move_units(0, 0, {})
+    dm.load_state_dict(saved)
+    result["layout_after_load"] = resizer.unit_migration
+    result["layout_saved"] = {"giver": giver, "taker": taker, "counts": counts}
+    result["load_diff"] = (dm(ids).detach() - out_saved).abs().max().item()
+    result["load_vs_reference"] = (dm(ids).detach() - reference[0]).abs().max().item()
+    resizer.move_units(0, 0, {})
+    dm.load_state_dict(start)
+
+    # The controller on unit migration: rank `giver` 2.5x slower for 8 steps, then recovered;
+    # noisy clocks per rank, the same decisions everywhere; units move at a step's start.
+    noise = random.Random(1000 + rank)
+
+    def synthetic(step, _seconds):
+        slow = 2.5 if resizer.tp_rank == giver and step < 8 else 1.0
+        return 0.1 * slow * controller.my_work() * (1 + noise.uniform(-0.05, 0.05))
+
+    controller.adjust = synthetic
+    controller.decisions.clear()
+    controller.state = SemiState()
+    layouts = []
+    for _ in range(12):
+        _step(dm, ids, probe)
+        layouts.append(resizer.unit_migration)
+    result["decisions"] = [d.line() for d in controller.decisions]
+    result["actions"] = [d.action for d in controller.decisions]
+    result["layouts"] = layouts
+    result["restored_at_end"] = resizer.unit_migration is None and resizer.fraction == 1.0
+    result["restored_exact"] = _diff(reference, _unit_step(dm, ids, probe))
+    return result

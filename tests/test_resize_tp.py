@@ -2,11 +2,16 @@
 
 Single-process tests check the op against its definition (Y = X[..., S] W[:, S]^T, zeros
 imputed in backward), priority selection, the controller's decision rule and the plan
-errors. One gloo launch at tp=2 (float64, gpt-moe-tiny) checks against plain tensor
-parallelism: S = every column is the same function, migration is exact (one step, and
-AdamW steps with migration on then off), a real resize changes the function but not one
-collective's shape, shard widths survive state_dict, and every rank takes the same
-decisions from its own noisy timings.
+errors, and that tensor_parallel's unit functions (one head, one block of MLP columns)
+sum over all units to the block. One gloo launch at tp=2 (float64, gpt-moe-tiny) checks
+column migration against plain tensor parallelism: S = every column is the same function,
+migration is exact (one step, and AdamW steps with migration on then off), a real resize
+changes the function but not one collective's shape, shard widths survive state_dict, and
+every rank takes the same decisions from its own noisy timings. Another (tp=2, and tp=4
+marked slow; a dense model, float64) checks unit migration: outputs and gradients exact,
+no collective added, undo restores every parameter bit for bit, AdamW (weight decay on)
+with units moved, moved again and moved back equals AdamW without, the layout and slots
+survive state_dict, and the controller migrates units the same way on every rank.
 """
 
 from __future__ import annotations
@@ -200,3 +205,96 @@ def test_resizing_migration_and_the_controller_at_tp2():
     assert results[0]["decisions"] == results[1]["decisions"]
     assert results[0]["actions"] == ["resize", "migrate", "migrate", "restore"]
     assert all(result["restored_at_end"] for result in results)
+
+
+def test_unit_functions_sum_over_all_units_to_the_block():
+    """tensor_parallel's unit function for a block, run on each unit's weight slices of the
+    whole (unsharded) model, sums to the block's output less its bias: a fused-qkv attention
+    block (a unit is a head) and an MLP (a unit is a block of columns)."""
+    import resize_workers
+
+    model, ids = resize_workers.dense_tiny()
+    program = compile_program(model, Plan.from_cli("lift,tensor_parallel", world_size=2, tp=2), (ids,))
+    units = program.annotations["tp_units"]
+    assert sorted(units) == ["layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]
+    assert (units["layers.1.attn"]["unit"], units["layers.1.mlp"]["unit"]) == (1, 4)  # a head; 32 columns per rank in 8 blocks
+    layer = model.layers[1]
+    h = torch.randn(2, 6, 32, dtype=torch.float64)
+
+    def whole(function, x, sizes, units, weights):
+        """weights: (tensor, dim, (outer, inner)) -- the unit's slice is outer x unit x inner."""
+        out = 0
+        for u in range(0, units, function["unit"]):
+            slices = []
+            for w, d, (outer, inner) in weights:
+                rows = torch.arange(outer * units * inner).view(outer, units, inner)[:, u : u + function["unit"], :].reshape(-1)
+                slices.append(w.index_select(d, rows))
+            out = out + function["graph"](x, *sizes, *slices)
+        return out
+
+    mlp = units["layers.1.mlp"]
+    expected = layer.mlp.down(torch.nn.functional.gelu(layer.mlp.up(h))) - layer.mlp.down.bias
+    got = whole(mlp, h, [], 64, [(layer.mlp.up.weight, 0, (1, 1)), (layer.mlp.up.bias, 0, (1, 1)), (layer.mlp.down.weight, 1, (1, 1))])
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+    attn = units["layers.1.attn"]
+    expected = layer.attn(h) - layer.attn.o.bias
+    got = whole(attn, h, [2, 6], 8, [(layer.attn.qkv.weight, 0, (3, 4)), (layer.attn.o.weight, 1, (1, 4))])
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+    # resize_tp routes every block's partial product through tp_units, before the all-reduce
+    program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=2, tp=2), (ids,))
+    added = [n for n in program.graph.nodes if n.target is commfx.tp_units.default]
+    assert len(added) == 4 and all(next(iter(n.users)).target is commfx.all_reduce.default for n in added)
+    assert program.annotations["tp_resize"]["options"]["migrate"] == "units"
+
+
+def test_unit_migration_plan_errors():
+    model, inputs = load_model("gpt-moe-tiny")
+    with pytest.raises(PlanError, match="migrate must be one of auto, units, columns"):
+        compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:migrate=rows", world_size=2, tp=2), inputs)
+    with pytest.raises(PlanError, match=r"migrate=units needs the tp group to be the whole replica \(dp = pp = 1, got dp=2.*use migrate=columns"):
+        compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:migrate=units", world_size=4, tp=2), inputs)
+    program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=4, tp=2), inputs)
+    assert program.annotations["tp_resize"]["options"]["migrate"] == "columns"  # auto under tp x dp
+
+
+def test_semi_migrates_the_share_that_balances_affine_times():
+    """Rank 1 takes 0.05 s fixed + 0.3 s per shard, rank 0 0.02 + 0.1: balancing
+    0.05 + 0.3 (1 - m) = 0.02 + 0.1 (1 + m) needs m = (0.35 - 0.12) / 0.4, not (r - 1) / (r + 1)."""
+    state = SemiState(persistent=3, last_straggler=1)
+    state.windows = [[[0.12, 0.35], [1.0, 1.0]], [[0.07, 0.2], [0.5, 0.5]]]
+    d = _decide([0.12, 0.35], [1.0, 1.0], state, max_migrate=0.9)
+    assert d.action == "migrate" and d.fraction == pytest.approx(0.23 / 0.4)
+
+
+def _check_units(results, world_size):
+    for result in results:
+        assert result["mode"] == "units" and len(result["blocks"]) == 4
+        assert result["plain_untouched"] == 0.0
+        assert result["moved_bytes"] > 0
+        assert result["migrated"] <= 1e-10  # outputs and every gradient (the taker's slot gradients summed back)
+        assert result["records_match"] and result["records_kinds"] == ["tp_all_reduce"]  # no collective added per step
+        assert result["undo_exact"] and result["slots_empty_after_undo"] and result["plans_plain_after_undo"]
+        assert result["restored"] == 0.0
+        assert result["training_diff"] <= 1e-10  # AdamW with units moved, moved again, moved back == AdamW
+        assert result["slot_state_after_undo"] == 0  # the slots' optimizer state went back with them
+        assert result["layout_after_load"] == result["layout_saved"]  # which units are where survives state_dict
+        assert result["load_diff"] == 0.0 and result["load_vs_reference"] <= 1e-10
+        assert result["restored_at_end"] and result["restored_exact"] <= 1e-10
+    # only the taker holds units; the same decisions and layouts on every rank
+    assert any(size[0] for size in results[0]["slot_sizes"]) and not any(s[0] * s[-1] for r in results[1:] for s in r["slot_sizes"])
+    assert all(r["decisions"] == results[0]["decisions"] and r["layouts"] == results[0]["layouts"] for r in results)
+    assert results[0]["actions"][:2] == ["resize", "migrate"] and "restore" in results[0]["actions"]
+    assert "units to rank" in results[0]["decisions"][1] and "moved once" in results[0]["decisions"][1]
+    moved = [layout for layout in results[0]["layouts"] if layout]
+    assert moved and all(layout["giver"] == world_size - 1 for layout in moved)
+
+
+@pytest.mark.distributed
+def test_unit_migration_at_tp2():
+    _check_units(launch("resize_workers:unit_suite", 2, {}, timeout_s=300), 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_unit_migration_at_tp4():
+    _check_units(launch("resize_workers:unit_suite", 4, {}, timeout_s=300), 4)

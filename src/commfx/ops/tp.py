@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.comm import current_scheduler
-from ..runtime.resize import linear_backward, linear_forward
+from ..runtime.resize import linear_backward, linear_forward, units_backward, units_forward
 
 
 def shard_index(layout: tuple[int, int, int] | list[int], part: int, parts: int) -> torch.Tensor:
@@ -116,3 +116,47 @@ def _tp_linear_grad(ctx, grad):
 
 
 tp_linear.register_autograd(_tp_linear_grad, setup_context=_tp_linear_setup)
+
+
+# ------------------------------------------------------------------------ migrated units
+
+
+@torch.library.custom_op("commfx::tp_units", mutates_args=())
+def tp_units(partial: torch.Tensor, inputs: list[torch.Tensor], sizes: list[int], key: str, group: str) -> torch.Tensor:
+    """A row-parallel partial product plus those of the units this rank computes for a slower
+    rank of `group` (`resize_tp` unit migration: each unit end to end from the block's
+    replicated `inputs` and `sizes`); `partial` unchanged where it computes none. Placed
+    before the row-parallel all-reduce, so every rank's collective keeps its shape."""
+    return units_forward(partial, inputs, sizes, key, group)
+
+
+@tp_units.register_fake
+def _(partial, inputs, sizes, key, group):
+    return torch.empty_like(partial)
+
+
+@torch.library.custom_op("commfx::tp_units_backward", mutates_args=())
+def tp_units_backward(grad: torch.Tensor, inputs: list[torch.Tensor], key: str, group: str) -> list[torch.Tensor]:
+    """Gradients of `tp_units` for its `inputs` (zeros where this rank computes no unit); the
+    units' own weights (the runtime's slots) get theirs directly."""
+    return units_backward(grad, inputs, key, group)
+
+
+@tp_units_backward.register_fake
+def _(grad, inputs, key, group):
+    return [torch.empty_like(t) for t in inputs]
+
+
+def _tp_units_setup(ctx, inputs, output):
+    partial, tensors, sizes, key, group = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.floating = [t.is_floating_point() for t in tensors]
+    ctx.key, ctx.group, ctx.sizes = key, group, len(sizes)
+
+
+def _tp_units_grad(ctx, grad):
+    grads = tp_units_backward(grad, list(ctx.saved_tensors), ctx.key, ctx.group)
+    return grad, [g if f else None for g, f in zip(grads, ctx.floating)], None if ctx.sizes else [], None, None
+
+
+tp_units.register_autograd(_tp_units_grad, setup_context=_tp_units_setup)

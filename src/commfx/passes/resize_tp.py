@@ -4,8 +4,14 @@ Every column- and row-parallel linear tensor_parallel made becomes `commfx.tp_li
 which computes what the runtime's plan for it says this step (runtime/resize.py): all its
 columns (plain tensor parallelism, the default), a kept subset (ZERO-resizing: a slow rank
 contracts over fewer columns, dropped ones imputed as zeros in backward, so every
-collective keeps its shape), or all but some row-parallel columns a faster rank computes
-(lossless migration). The SEMI-migration controller (runtime/semi.py) chooses between them
+collective keeps its shape), or all but the units a faster rank computes (lossless
+migration). For unit migration (`migrate=units`, the default where the tp group is the whole
+replica) each block's row-parallel output also passes through `commfx.tp_units`, which on
+a taker adds the partial products of the units it computes for a slower rank, each from
+the block's replicated input with the tensor_parallel pass's unit function (an attention
+head, or a block of MLP columns, end to end). `migrate=columns` is the first design (row-
+parallel columns whose input the straggler sends every step), kept for tp x dp.
+The SEMI-migration controller (runtime/semi.py) chooses between resizing and migrating
 from all-gathered step timings (ZERO-resizing and SEMI-migration: arXiv 2401.11469).
 The graph is the same on every rank and for every width: widths never reach a literal.
 """
@@ -24,6 +30,7 @@ from .tensor_parallel import GROUP
 commfx = torch.ops.commfx
 PASS = "resize_tp"
 MODES = ("semi", "resize", "migrate", "off")
+MIGRATIONS = ("auto", "units", "columns")
 
 
 @register
@@ -47,6 +54,7 @@ class ResizeTP(Pass):
         max_migrate: float = 0.5  # migration never moves more than this fraction of a shard
         heavy_ratio: float = 1.5  # SEMI: slowdown from which persistent slowness is worth migrating
         persist_windows: int = 2  # SEMI: windows in a row that make slowness persistent
+        migrate: str = "auto"  # units: whole heads / MLP column blocks, moved once; columns: row-parallel columns sent every step; auto: units where dp = pp = 1
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -66,6 +74,13 @@ class ResizeTP(Pass):
             )
         if plan.topology.tp < 2:
             raise PlanError("resize_tp balances the ranks of a tensor-parallel group: use --tp 2 or more")
+        if options.migrate not in MIGRATIONS:
+            raise PlanError(f"resize_tp migrate must be one of {', '.join(MIGRATIONS)}, got {options.migrate!r}")
+        if options.migrate == "units" and (plan.topology.dp > 1 or plan.topology.pp > 1):
+            raise PlanError(
+                f"resize_tp migrate=units needs the tp group to be the whole replica (dp = pp = 1, got dp={plan.topology.dp}, "
+                f"pp={plan.topology.pp}): each tp group decides alone, so replicas could move different units; use migrate=columns"
+            )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         blocks = program.annotations.get("tp_blocks") or []
@@ -85,6 +100,46 @@ class ResizeTP(Pass):
                 node.args, node.kwargs = (x, weight, bias, key, GROUP), {}
                 stamp(node, PASS, f"{kind}-parallel linear, width set by the runtime")
                 linears[key] = {"kind": kind}
-        program.annotations["tp_resize"] = {"linears": linears, "options": dataclasses.asdict(options)}
+        migrate = options.migrate
+        if migrate == "auto":
+            migrate = "units" if plan.topology.dp == 1 and plan.topology.pp == 1 else "columns"
+        units = _insert_units(program, blocks, nodes) if migrate == "units" else {}
+        program.annotations["tp_resize"] = {
+            "linears": linears, "options": {**dataclasses.asdict(options), "migrate": migrate}, "units": units,
+        }
         program.gm.recompile()
         return True
+
+
+def _insert_units(program: Program, blocks: list[dict], nodes: dict) -> dict:
+    """Route each block's row-parallel partial product through `commfx.tp_units` (before the
+    all-reduce), fed with the outside inputs of the block's unit function."""
+    functions = program.annotations.get("tp_units") or {}
+    units = {}
+    for block in blocks:
+        function = functions.get(block["path"])
+        if function is None:
+            continue  # the shard rules cannot cut this block into units: it only resizes
+        row = nodes[block["row"]]
+        key = row.args[1].target
+        externals = [nodes[name] for name in function["externals"]]
+        kinds = "".join("t" if isinstance(e.meta.get("example_value"), torch.Tensor) else "s" for e in externals)
+        tensors = [e for e, k in zip(externals, kinds) if k == "t"]
+        sizes = [e for e, k in zip(externals, kinds) if k == "s"]
+        users = list(row.users)
+        with program.graph.inserting_after(row):
+            out = program.graph.call_function(commfx.tp_units.default, (row, tensors, sizes, key, GROUP))
+        out.meta.update({k: v for k, v in row.meta.items() if k in ("example_value", "val", "nn_module_stack")})
+        stamp(out, PASS, "adds the partial products of units this rank computes for a slower one")
+        for user in users:
+            user.replace_input_with(row, out)
+        # the unit function takes each column's weight then its bias, then the row weight
+        ordered = []
+        for c in function["columns"]:
+            ordered.append((c["weight"], 0, c["layout"]))
+            if c["bias"] is not None:
+                ordered.append((c["bias"], 0, c["layout"]))
+        ordered.append((function["row"]["weight"], 1, function["row"]["layout"]))
+        units[key] = {"path": block["path"], "graph": function["graph"], "kinds": kinds, "tensors": ordered,
+                      "per_rank": function["per_rank"], "unit": function["unit"]}
+    return units

@@ -94,7 +94,7 @@ class TensorParallel(Pass):
         graph = program.graph
         sizes = _Sizes()
         claimed: set[fx.Node] = set()
-        blocks, skipped = [], []
+        blocks, skipped, members = [], [], {}
         reported: set[frozenset] = set()
         for path, nodes in _regions_innermost_first(graph):
             linears = [n for n in nodes if _is_linear(n) and n not in claimed]
@@ -109,6 +109,7 @@ class TensorParallel(Pass):
                 continue
             claimed.update(block.columns + [block.row])
             blocks.append(block)
+            members[block.path] = (nodes, linears)
         if skipped and options.strict:
             raise PassError("tensor_parallel cannot split these blocks: " + "; ".join(skipped))
         if skipped:
@@ -123,8 +124,13 @@ class TensorParallel(Pass):
                 "and feed one output linear)" + (f"; blocks it could not split: {'; '.join(skipped)}" if skipped else "")
             )
         shards = program.annotations.setdefault("shards", {})
+        # Each block's unit function, planned on the graph before any block is rewritten.
+        units = {b.path: _unit_function(graph, b, *members[b.path], tp, sizes) for b in blocks}
         for block in blocks:
-            _rewrite_block(graph, block, tp, shards)
+            copies = _rewrite_block(graph, block, tp, shards)
+            if units[block.path] is not None:  # the unit function reads the tp_copy where one was made
+                units[block.path]["externals"] = [copies.get(e, e).name for e in units[block.path]["externals"]]
+        program.annotations["tp_units"] = {path: u for path, u in units.items() if u is not None}
         program.annotations["tp_blocks"] = [
             {"path": b.path, "columns": [c.name for c in b.columns], "row": b.row.name, "units": b.row_layout[1]} for b in blocks
         ]
@@ -543,10 +549,12 @@ SHARD_RULES = {
 # ------------------------------------------------------------------------------ rewrite
 
 
-def _rewrite_block(graph: fx.Graph, block: Block, tp: int, shards: dict) -> None:
+def _rewrite_block(graph: fx.Graph, block: Block, tp: int, shards: dict) -> dict[fx.Node, fx.Node]:
+    """Rewrite one block in place; returns each replicated value -> the tp_copy it now enters through."""
     for node, args, kwargs in block.rewrites:
         node.args, node.kwargs = args, kwargs
     order = {n: i for i, n in enumerate(graph.nodes)}
+    made = {}
     for value, consumers in block.copies.items():
         first = min(consumers, key=order.get)
         with graph.inserting_before(first):
@@ -555,6 +563,7 @@ def _rewrite_block(graph: fx.Graph, block: Block, tp: int, shards: dict) -> None
             copy.meta["example_value"] = value.meta["example_value"]
         copy.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack", {}))
         stamp(copy, PASS, "enters the tensor-parallel block (input gradient all-reduced over tp)")
+        made[value] = copy
         for consumer in consumers:
             consumer.replace_input_with(value, copy)
     for column in block.columns:
@@ -584,6 +593,79 @@ def _rewrite_block(graph: fx.Graph, block: Block, tp: int, shards: dict) -> None
     for user in list(row.users):
         if user is not reduced:
             user.replace_input_with(row, out)
+    return made
+
+
+# ------------------------------------------------------------------------ unit functions
+
+UNIT_BLOCKS = 8  # an MLP's unit: its intermediate columns on one rank in about this many blocks
+
+
+def _unit_size(per: int, heads: bool) -> int:
+    """Heads or columns in one unit: a head; for an MLP the fewest columns that cut one
+    rank's share into at most UNIT_BLOCKS equal blocks."""
+    if heads:
+        return 1
+    return next(g for g in range(1, per + 1) if per % g == 0 and per // g <= UNIT_BLOCKS)
+
+
+def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes: "_Sizes") -> dict | None:
+    """The block computed for one unit alone (a head, or a block of MLP columns), as its own
+    graph: (the block's outside inputs..., each column linear's weight rows [and bias], the
+    row linear's weight columns) -> that unit's row-parallel partial product (no bias).
+
+    Planned with the same shard rules as the block, for as many parts as there are units, so
+    literal sizes are the unit's. None where the rules cannot cut the block that finely
+    (grouped-query attention with fewer k/v heads than units). Used by resize_tp to have a
+    faster rank compute a slow rank's units from the replicated input (runtime/resize.py)."""
+    units, inner = block.row_layout[1], block.row_layout[2]
+    per = units // tp
+    size = _unit_size(per, heads=inner > 1)
+    try:
+        planned = _plan_block(graph, block.path, nodes, linears, units // size, sizes)
+    except (Unsupported, _NotABlock):
+        return None
+    new_args = {node: (args, kwargs) for node, args, kwargs in planned.rewrites}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inside, sequence = set(block.columns), []
+    for node in sorted((n for n in graph.nodes if min(order[c] for c in block.columns) <= order[n] <= order[block.row]), key=order.get):
+        if node in inside or any(a in inside for a in node.all_input_nodes):
+            inside.add(node)
+            sequence.append(node)
+    weights = {c.args[1] for c in [*block.columns, block.row]} | {_bias(c) for c in block.columns if isinstance(_bias(c), fx.Node)}
+    externals = []
+    for node in sequence:
+        for arg in node.all_input_nodes:
+            if arg not in inside and arg not in weights and arg not in externals and not (node is block.row and arg is _bias(node)):
+                externals.append(arg)
+    sub = fx.Graph()
+    env = {e: sub.placeholder(f"input_{i}") for i, e in enumerate(externals)}
+    columns = []
+    for i, column in enumerate(block.columns):
+        bias = _bias(column)
+        env[column.args[1]] = sub.placeholder(f"weight_{i}")
+        if isinstance(bias, fx.Node):
+            env[bias] = sub.placeholder(f"bias_{i}")
+        columns.append({"weight": column.args[1].target, "bias": bias.target if isinstance(bias, fx.Node) else None,
+                        "layout": [block.layouts[column][0], per, block.layouts[column][2]]})
+    env[block.row.args[1]] = sub.placeholder("row_weight")
+    for node in sequence:
+        args, kwargs = new_args.get(node, (node.args, node.kwargs))
+        if node is block.row:
+            args, kwargs = (args[0], args[1]), {}
+        if node in block.columns:
+            args, kwargs = (args[0], args[1], _bias(node)), {}
+        if node in block.columns or node is block.row:
+            env[node] = sub.call_function(F.linear, fx.map_arg(args, env.get), fx.map_arg(kwargs, env.get))
+        else:
+            env[node] = sub.node_copy(node, lambda a: env[a])
+            env[node].args, env[node].kwargs = fx.map_arg(args, env.get), fx.map_arg(kwargs, env.get)
+    sub.output(env[block.row])
+    return {
+        "graph": fx.GraphModule(torch.nn.Module(), sub), "externals": externals, "columns": columns,
+        "row": {"weight": block.row.args[1].target, "layout": [block.row_layout[0], per, block.row_layout[2]]},
+        "unit": size, "per_rank": per,
+    }
 
 
 def _bias(linear: fx.Node):

@@ -167,6 +167,8 @@ class DistributedModule(torch.nn.Module):
         defer_grad_sync, let `optimizer` step parameters whose gradients arrive late."""
         if self.deferred is not None:
             self.deferred.attach(optimizer)
+        if self.straggler is not None:  # resize_tp: migrated units move their optimizer state with them
+            self.straggler.attach_optimizer(optimizer)
         every = max((spec["replace_every"] for spec in self.packing.values()), default=0)
         if not every:
             return

@@ -10,12 +10,27 @@ linear):
   collective, keeps its shape. S is chosen by priority: the columns whose weights changed
   most since the last selection (the largest at the first). Lossy; the relative error of
   the dropped part is measured on a few rows of every forward (`LinearPlan.error`).
-- **Migration**: a slow rank (giver) hands some contraction columns of its row-parallel
-  linears to a faster rank of its tp group (taker) every step: it sends X[..., M] and
-  W[:, M], the taker adds X_M W_M^T to its own partial product (the row-parallel all-reduce
-  sums partial products anyway) and returns dX_M and dW_M in backward. Lossless: the same
-  products, summed in another order. The weights and so their optimizer state stay with
-  their owner (what moves each step is the columns, not their ownership).
+- **Unit migration** (what SEMI and `mode=migrate` use by default, `resize_tp:migrate=units`):
+  a slow rank (giver) hands whole units of a block -- attention heads, or blocks of MLP
+  intermediate columns: a unit's column-parallel weight rows (and bias) together with the
+  matching row-parallel weight columns -- to a faster rank (taker). The taker computes them
+  end to end from the block's replicated input (the tensor_parallel pass's unit function:
+  the block's own ops planned for one unit), so it never waits on the giver, and adds their
+  partial product to its own before the row-parallel all-reduce (`commfx.tp_units`): every
+  collective keeps its shape. The giver skips those output rows and contraction columns.
+  The units' weights, and each optimizer state tensor shaped like them (Adam's moments,
+  momentum: elementwise optimizers), move once per decision, between steps, into the
+  taker's slot parameters (`UnitSlots`, part of the module's parameters and state_dict),
+  and back on recovery. No per-step traffic. Lossless: the same products, summed in another
+  order; AdamW steps on a slot are the steps the giver would have taken (its state moved
+  with it; `attach_optimizer` hands the runtime the optimizer, else moved units restart
+  their optimizer state). Only where the tp group is the whole data-parallel replica (dp = 1,
+  no pipeline): each tp group decides on its own, so dp replicas could disagree on layouts.
+- **Column migration** (`resize_tp:migrate=columns`, the first design, kept for dp > 1): a
+  slow rank hands some contraction columns of its row-parallel linears to a faster rank
+  every step: it sends X[..., M] and W[:, M], the taker adds X_M W_M^T to its own partial
+  product and returns dX_M and dW_M in backward. Lossless, but X_M comes from the straggler
+  itself, so the taker waits on it: measured slower than doing nothing (RESULTS.md).
 
 `Resizer` owns the plans of one module on this rank. Every rank of a tp group applies the
 same decisions (see `semi.py`), so a migration's sends and receives pair up.
@@ -27,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from ..plan import DEFAULT_CLASS
@@ -37,6 +53,10 @@ KIND = "tp_migrate"  # what the comm stats call migration traffic
 
 def state_key(key: str) -> str:
     return f"tp_linear:{key}"
+
+
+def units_key(key: str) -> str:
+    return f"tp_units:{key}"
 
 
 @dataclass(frozen=True)
@@ -60,10 +80,14 @@ class LinearPlan:
     error: float = 0.0  # relative error of the dropped columns in the last forward
     rows: int = 0  # rows (tokens) of the last forward
     stash: list = field(default_factory=list, repr=False)  # the taker's migrated columns, forward -> backward
+    skip_rows: tuple[int, ...] = ()  # unit migration, giver: output rows (a column linear's) another rank computes
+    skip_columns: tuple[int, ...] = ()  # unit migration, giver: contraction columns (a row linear's) another rank computes
+    out_width: int = 0  # output rows of the weight
     _index: torch.Tensor | None = field(default=None, repr=False)
+    _rows: torch.Tensor | None = field(default=None, repr=False)
 
     def is_plain(self) -> bool:
-        return self.kept is None and self.migration is None
+        return self.kept is None and self.migration is None and not self.skip_rows and not self.skip_columns
 
     def given(self) -> bool:
         return self.migration is not None and self.migration.giver == self.tp_rank
@@ -71,17 +95,27 @@ class LinearPlan:
     def taken(self) -> bool:
         return self.migration is not None and self.migration.taker == self.tp_rank
 
-    def compute_index(self) -> torch.Tensor:
-        """The columns this rank multiplies itself: the kept ones, less those it gives away."""
+    def compute_index(self) -> torch.Tensor | None:
+        """The columns this rank multiplies itself: the kept ones, less those it gives away
+        (None: every column)."""
         if self._index is None:
             columns = set(range(self.width) if self.kept is None else self.kept)
             if self.given():
                 columns -= set(self.migration.columns)
+            columns -= set(self.skip_columns)
             self._index = torch.tensor(sorted(columns), dtype=torch.long)
-        return self._index
+        return None if self._index.numel() == self.width else self._index
+
+    def row_index(self) -> torch.Tensor | None:
+        """The output rows this rank computes (None: every row); the others are zeros."""
+        if not self.skip_rows:
+            return None
+        if self._rows is None:
+            self._rows = torch.tensor(sorted(set(range(self.out_width)) - set(self.skip_rows)), dtype=torch.long)
+        return self._rows
 
     def changed(self) -> None:
-        self._index = None
+        self._index = self._rows = None
 
 
 # ------------------------------------------------------------------- the op's two halves
@@ -96,8 +130,14 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     plan, scheduler = _plan(key)
     if plan is None or plan.is_plain():
         return F.linear(x, weight, bias)
-    index = plan.compute_index()
-    y = F.linear(x.index_select(-1, index), weight.index_select(1, index), bias)
+    index, rows = plan.compute_index(), plan.row_index()
+    xs = x if index is None else x.index_select(-1, index)
+    w = weight if index is None else weight.index_select(1, index)
+    if rows is None:
+        y = F.linear(xs, w, bias)
+    else:  # unit migration: the rows of the given units are another rank's (zeros here)
+        part = F.linear(xs, w.index_select(0, rows), None if bias is None else bias.index_select(0, rows))
+        y = x.new_zeros((*x.shape[:-1], weight.shape[0])).index_copy_(-1, rows, part)
     plan.rows = x.numel() // max(x.shape[-1], 1)
     if plan.migration is not None:
         columns = torch.tensor(plan.migration.columns, dtype=torch.long)
@@ -121,11 +161,30 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h
     bias_grad = g2.sum(0) if has_bias else weight.new_empty((0,))
     if plan is None or plan.is_plain():
         return grad.matmul(weight), g2.t().matmul(x2), bias_grad
-    index = plan.compute_index()
-    grad_x = x.new_zeros(x.shape)  # dropped (or given away) columns: imputed zero
-    grad_w = weight.new_zeros(weight.shape)
-    grad_x[..., index] = grad.matmul(weight.index_select(1, index))
-    grad_w[:, index] = g2.t().matmul(x2.index_select(1, index))
+    index, rows = plan.compute_index(), plan.row_index()
+    if rows is not None:  # given units' rows: another rank back-propagates them
+        grad, g2, w_rows = grad.index_select(-1, rows), g2.index_select(1, rows), weight.index_select(0, rows)
+        if has_bias:
+            bias_grad = weight.new_zeros((out,)).index_copy_(0, rows, g2.sum(0))
+    else:
+        w_rows = weight
+    if index is None:
+        grad_x = grad.matmul(w_rows)
+        part = g2.t().matmul(x2)
+    else:  # dropped (or given away) columns: imputed zero
+        grad_x = x.new_zeros(x.shape)
+        grad_x[..., index] = grad.matmul(w_rows.index_select(1, index))
+        part = g2.t().matmul(x2.index_select(1, index))
+    if rows is None and index is None:
+        grad_w = part
+    else:
+        grad_w = weight.new_zeros(weight.shape)
+        if rows is None:
+            grad_w[:, index] = part
+        elif index is None:
+            grad_w.index_copy_(0, rows, part)
+        else:
+            grad_w[rows.unsqueeze(1), index.unsqueeze(0)] = part
     if plan.given():
         columns = torch.tensor(plan.migration.columns, dtype=torch.long)
         gx_m, gw_m = _recv(scheduler, group, plan.migration.taker, x.new_empty((*x.shape[:-1], len(columns))), weight.new_empty((out, len(columns))))
@@ -135,6 +194,100 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h
         x_m, w_m = plan.stash.pop()
         _send(scheduler, group, plan.migration.giver, grad.matmul(w_m), g2.t().matmul(x_m.reshape(-1, x_m.shape[-1])))
     return grad_x, grad_w, bias_grad
+
+
+# ---------------------------------------------------------------------- unit migration
+
+
+class UnitSlots(torch.nn.Module):
+    """The units a rank computes for another: one parameter per moved weight, sized by the
+    current migration (empty when it takes none). Loading takes the saved sizes."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for name, param in self._parameters.items():
+            saved = state_dict.get(prefix + name)
+            if saved is not None and saved.shape != param.shape:
+                param.data = param.data.new_empty(saved.shape)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+@dataclass
+class UnitBlock:
+    """One tp block whose units can move: its unit function (the tensor_parallel pass's), the
+    weights a unit spans and, on a taker, the slot parameters holding the units it computes.
+
+    `tensors[i]` = (weight, dim, layout): the unit's rows (dim 0: a column linear's weight
+    and bias) or columns (dim 1: the row linear's weight), cut by this rank's layout
+    (outer, units per rank, inner). A unit function takes the weights in this order."""
+
+    key: str  # the row linear's weight (the block's name in plans and state)
+    graph: fx.GraphModule
+    kinds: str  # per outside input of the unit function: "t" a tensor, "s" a size
+    tensors: list[tuple[str, int, list[int]]]
+    per_rank: int  # heads / columns per rank
+    unit: int  # heads / columns per unit
+    slots: list[torch.nn.Parameter] = field(default_factory=list, repr=False)
+    taken: int = 0  # units this rank computes for another (in its slots)
+    stash: list = field(default_factory=list, repr=False)  # forward -> backward: the vjp of the taken units
+
+    @property
+    def units(self) -> int:
+        return self.per_rank // self.unit
+
+    def index(self, layout: list[int], first: int, count: int) -> torch.Tensor:
+        """Indices, along a weight's dim, of units first..first+count-1 of this rank's shard."""
+        if count <= 0:
+            return torch.zeros(0, dtype=torch.long)
+        outer, per, inner = layout
+        grid = torch.arange(outer * per * inner).view(outer, per, inner)
+        return torch.cat([grid[:, k * self.unit : (k + 1) * self.unit, :].reshape(-1) for k in range(first, first + count)])
+
+
+def units_forward(partial: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], key: str, group: str) -> torch.Tensor:
+    """The row-parallel partial product plus, on a taker, the partial products of the units it
+    computes for another rank (each unit: the unit function on the block's replicated inputs
+    and one unit's slice of the slots)."""
+    block = current_scheduler().op_state.get(units_key(key))
+    if block is None or not block.taken:
+        return partial.clone()
+    floating = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+    def units(float_inputs, weights):
+        swapped = list(tensors)
+        for i, t in zip(floating, float_inputs):
+            swapped[i] = t
+        t_iter, s_iter = iter(swapped), iter(sizes)
+        inputs = [next(t_iter) if kind == "t" else next(s_iter) for kind in block.kinds]
+        total = None
+        for k in range(block.taken):
+            slices = [w.narrow(dim, k * (w.shape[dim] // block.taken), w.shape[dim] // block.taken)
+                      for w, (_name, dim, _layout) in zip(weights, block.tensors)]
+            out = block.graph(*inputs, *slices)
+            total = out if total is None else total + out
+        return total
+
+    out, vjp = torch.func.vjp(units, [tensors[i].detach() for i in floating], [p.detach() for p in block.slots])
+    block.stash.append(vjp)
+    del block.stash[:-STASH]  # forwards without a backward (evaluation) leave nothing behind
+    return partial + out
+
+
+STASH = 4
+
+
+def units_backward(grad: torch.Tensor, tensors: list[torch.Tensor], key: str, group: str) -> list[torch.Tensor]:
+    """Gradients for the units' inputs (zero on a rank that computes none); the slots'
+    gradients are accumulated into their `.grad` (they are not graph inputs)."""
+    block = current_scheduler().op_state.get(units_key(key))
+    grads = [t.new_zeros(t.shape) for t in tensors]
+    if block is None or not block.taken or not block.stash:
+        return grads
+    float_grads, weight_grads = block.stash.pop()(grad)
+    for i, g in zip([i for i, t in enumerate(tensors) if t.is_floating_point()], float_grads):
+        grads[i] = g
+    for slot, g in zip(block.slots, weight_grads):
+        slot.grad = g.clone() if slot.grad is None else slot.grad + g
+    return grads
 
 
 def _send(scheduler: CommScheduler, group: str, peer: int, *tensors: torch.Tensor) -> None:
@@ -180,9 +333,13 @@ class Resizer:
     """The resizable linears of one module on this rank and their current plans.
 
     `linears`: key -> (weight parameter, "column" | "row"); the contraction dim is dim 1.
+    `units`: the blocks whose units can move (unit migration), keyed by their row linear;
+    moving them is collective over `group` through `scheduler`.
     """
 
-    def __init__(self, linears: dict[str, tuple[torch.Tensor, str]], op_state: dict, tp_rank: int, tp_size: int):
+    def __init__(self, linears: dict[str, tuple[torch.Tensor, str]], op_state: dict, tp_rank: int, tp_size: int,
+                 units: dict[str, UnitBlock] | None = None, params: dict[str, torch.nn.Parameter] | None = None,
+                 scheduler=None, group: str = "tp"):
         self.linears = linears
         self.op_state = op_state
         self.tp_rank = tp_rank
@@ -191,7 +348,24 @@ class Resizer:
         self.migration: dict | None = None  # {"giver", "taker", "fraction"} in tp indices
         self.snapshots: dict[str, torch.Tensor] = {}  # weights at the last selection
         for key, (weight, kind) in linears.items():
-            op_state[state_key(key)] = LinearPlan(key, kind, weight.shape[1], tp_rank)
+            op_state[state_key(key)] = LinearPlan(key, kind, weight.shape[1], tp_rank, out_width=weight.shape[0])
+        self.units = units or {}
+        self.params = params or {}  # name -> parameter, for every weight and bias a unit spans
+        self.scheduler, self.group = scheduler, group
+        self.optimizer: torch.optim.Optimizer | None = None  # its state moves with the units (attach_optimizer)
+        self.unit_migration: dict | None = None  # {"giver", "taker", "counts": {block: units}} in force
+        self.pending: dict | None = None  # ... requested, moved at the next step's start
+        self.moved_bytes = 0  # bytes the last move sent (weights and optimizer state)
+        self.slots = UnitSlots()
+        for key, block in self.units.items():
+            op_state[units_key(key)] = block
+            block.slots = []
+            for i, (name, dim, _layout) in enumerate(block.tensors):
+                shape = list(self.params[name].shape)
+                shape[dim] = 0
+                slot = torch.nn.Parameter(self.params[name].detach().new_empty(shape))
+                self.slots.register_parameter(f"{key.replace('.', '_')}__{i}", slot)
+                block.slots.append(slot)
 
     def plan(self, key: str) -> LinearPlan:
         return self.op_state[state_key(key)]
@@ -231,9 +405,133 @@ class Resizer:
             plan.changed()
 
     def restore(self) -> None:
-        """Full width and no migration: plain tensor parallelism."""
+        """Full width and no migration: plain tensor parallelism (moved units come back at the
+        next step's start, `apply_pending`)."""
         self.resize(1.0)
         self.migrate(0, 0, 0.0)
+        if self.unit_migration is not None or self.pending is not None:
+            self.request_units(0, 0, {})
+
+    # -- unit migration ---------------------------------------------------------------
+
+    def unit_counts(self, fraction: float) -> dict[str, int]:
+        """Units per block that move for `fraction` of a rank's share (rounded per block)."""
+        return {key: min(block.units - 1, int(round(fraction * block.units))) for key, block in self.units.items()}
+
+    def moved_share(self, counts: dict[str, int]) -> float:
+        """The share of a rank's tp multiply-adds that `counts` moves (blocks weighted by weight size)."""
+        total = sum(w.numel() for w, _ in self.linears.values())
+        moved = 0.0
+        for key, block in self.units.items():
+            size = sum(self.params[name].numel() for name, dim, _ in block.tensors if name in self.linears)
+            moved += size * counts.get(key, 0) / block.units
+        return moved / total if total else 0.0
+
+    def request_units(self, giver: int, taker: int, counts: dict[str, int]) -> None:
+        """Ask for `counts` units of each block of the giver to be computed by the taker (empty:
+        none), moved by the next `apply_pending` (the controller calls it at a step's start)."""
+        counts = {k: int(n) for k, n in counts.items() if n}
+        self.pending = {"giver": giver, "taker": taker, "counts": counts} if counts else {"giver": 0, "taker": 0, "counts": {}}
+
+    def apply_pending(self) -> int:
+        """Move what `request_units` asked for (collective: every rank of the tp group calls it
+        at the same point, between steps). Returns the bytes moved."""
+        if self.pending is None:
+            return 0
+        pending, self.pending = self.pending, None
+        return self.move_units(pending["giver"], pending["taker"], pending["counts"])
+
+    def move_units(self, giver: int, taker: int, counts: dict[str, int]) -> int:
+        """Have the taker compute the giver's last `counts[block]` units of each block, from now
+        on (collective over the tp group, between steps): the current migration's units move
+        back first, then the new ones move, weights and optimizer state. {}: none moved."""
+        counts = {k: int(n) for k, n in counts.items() if n}
+        new = {"giver": giver, "taker": taker, "counts": counts} if counts else None
+        if new is not None:
+            if giver == taker or not (0 <= giver < self.tp_size and 0 <= taker < self.tp_size):
+                raise ValueError(f"unit migration needs two different tp ranks in [0, {self.tp_size}), got giver {giver}, taker {taker}")
+            for key, n in counts.items():
+                if key not in self.units or not 0 < n < self.units[key].units + 1:
+                    raise ValueError(f"block {key} cannot move {n} units (it has {self.units.get(key) and self.units[key].units} per rank)")
+        if new == self.unit_migration:
+            return 0
+        moved = 0
+        if self.unit_migration is not None:
+            moved += self._transfer(self.unit_migration, back=True)
+        if new is not None:
+            moved += self._transfer(new, back=False)
+        self.unit_migration = new
+        self._set_unit_plans()
+        self.moved_bytes = moved
+        return moved
+
+    def _state_names(self, param: torch.Tensor) -> list[str]:
+        state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+        return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape)
+
+    def _transfer(self, migration: dict, back: bool) -> int:
+        """Move the units of `migration` from the giver's shard to the taker's slots (or back,
+        `back`): each rank puts what it sends into a zero buffer and the group sums it (exact:
+        x + 0 == x), in block order, weight then its optimizer state, on every rank alike."""
+        giver, taker, me = migration["giver"], migration["taker"], self.tp_rank
+        moved = 0
+        for key in sorted(migration["counts"]):
+            block, count = self.units[key], migration["counts"][key]
+            for (name, dim, layout), slot in zip(block.tensors, block.slots):
+                param = self.params[name]
+                index = block.index(layout, block.units - count, count)
+                shape = list(param.shape)
+                shape[dim] = index.numel()
+                names = self._state_names(param)
+                param_state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+                slot_state = self.optimizer.state.get(slot, {}) if self.optimizer is not None else {}
+                for j, what in enumerate([None, *names]):
+                    source = param.data if what is None else param_state[what]
+                    buffer = param.data.new_zeros(shape) if what is None else source.new_zeros(shape)
+                    if not back and me == giver:
+                        buffer.copy_(source.index_select(dim, index))
+                    if back and me == taker:
+                        buffer.copy_(slot.data if what is None else slot_state[what])
+                    self.scheduler.all_reduce(buffer, self.group, kind="tp_unit_move")
+                    moved += buffer.numel() * buffer.element_size()
+                    if back and me == giver:
+                        source.index_copy_(dim, index, buffer)
+                    if not back and me == taker:
+                        if what is None:
+                            slot.data = buffer
+                        else:
+                            self.optimizer.state[slot][what] = buffer
+                if not back and me == taker and self.optimizer is not None and param in self.optimizer.state:
+                    for what, value in param_state.items():  # the step count and other scalars: as the taker's own
+                        if what not in names:
+                            self.optimizer.state[slot][what] = value.clone() if isinstance(value, torch.Tensor) else value
+                if back and me == taker:
+                    empty = list(param.shape)
+                    empty[dim] = 0
+                    slot.data = param.data.new_empty(empty)
+                    if self.optimizer is not None:
+                        self.optimizer.state.pop(slot, None)
+                slot.grad = None
+        return moved
+
+    def _set_unit_plans(self) -> None:
+        """The giver skips its moved units' rows and columns; the taker computes them."""
+        migration = self.unit_migration
+        for key, block in self.units.items():
+            count = migration["counts"].get(key, 0) if migration else 0
+            giving = migration is not None and migration["giver"] == self.tp_rank and count > 0
+            block.taken = count if migration is not None and migration["taker"] == self.tp_rank else 0
+            block.stash.clear()
+            for name, dim, layout in block.tensors:
+                if name not in self.linears:
+                    continue  # a bias: skipped with its weight's rows
+                plan = self.plan(name)
+                index = tuple(block.index(layout, block.units - count, count).tolist()) if giving else ()
+                if dim == 0:
+                    plan.skip_rows = index
+                else:
+                    plan.skip_columns = index
+                plan.changed()
 
     def error(self) -> float:
         """Largest relative error a resized linear made in the last forward (0 when none is)."""
@@ -254,6 +552,8 @@ class Resizer:
             "kept": {key: self.plan(key).kept for key in self.linears},
             "migration": self.migration,
             "snapshots": {key: t.clone() for key, t in self.snapshots.items()},
+            "unit_migration": self.unit_migration,
+            "pending": self.pending,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -264,6 +564,11 @@ class Resizer:
         self.snapshots = {key: t.clone() for key, t in state.get("snapshots", {}).items()}
         migration = state.get("migration")
         self.migrate(migration["giver"], migration["taker"], migration["fraction"]) if migration else self.migrate(0, 0, 0.0)
+        # Which units are where: the slots and shards themselves are parameters, loaded with
+        # the module's state_dict (UnitSlots takes the saved sizes); nothing moves here.
+        self.unit_migration, self.pending = state.get("unit_migration"), state.get("pending")
+        self._set_unit_plans()
 
 
-__all__ = ["LinearPlan", "Migration", "Resizer", "linear_backward", "linear_forward", "priority_columns", "state_key"]
+__all__ = ["LinearPlan", "Migration", "Resizer", "UnitBlock", "UnitSlots", "linear_backward", "linear_forward", "priority_columns",
+           "state_key", "units_backward", "units_forward", "units_key"]

@@ -16,9 +16,13 @@ slower than the median of the others by `threshold` is a straggler:
 
 - light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy);
 - heavy (>= `heavy_ratio`) and persistent (`persist_windows` windows in a row), and moving
-  the columns costs less link time than the straggler's excess compute: **migrate** the
-  share that balances the two ranks (lossless). Only row-parallel columns migrate (a
-  faster rank adds their partial product to its own), so where `max_migrate` of them
+  costs less link time per step than the straggler's excess compute: **migrate** the share
+  that balances the two ranks (lossless), m = (T_s - T_o) / (b_s + b_o) from the fits (the
+  straggler's and the others' full-width times and times per shard). With unit migration
+  (the default, `migrate=units`) whole heads and MLP column blocks move, rounded per block,
+  their weights and optimizer state once per decision (moved at the next step's start,
+  `Resizer.apply_pending`), so nothing moves per step; with column migration
+  (`migrate=columns`) only row-parallel columns can move, so where `max_migrate` of them
   cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
   (semi-migration: most of the gap closed losslessly, the remainder by resizing);
 - a migration after which a step takes longer than a step at full width did before it
@@ -27,7 +31,8 @@ slower than the median of the others by `threshold` is a straggler:
   straggler's own input), the measurement is not;
 - recovered: full width and no migration again.
 
-Each decision is logged with its numbers (ratio, excess seconds, bytes and seconds to move).
+Each decision is logged with its numbers (ratio, excess seconds, bytes and seconds to move,
+and for unit migration the units moved per block and the bytes moved once).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..plan import Topology
-from .resize import Resizer
+from .resize import Resizer, UnitBlock
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class SemiConfig:
     max_migrate: float = 0.5
     heavy_ratio: float = 1.5
     persist_windows: int = 2
+    migrate: str = "units"  # units | columns (what a migration moves; see resize.py)
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Decision:
     fraction: float  # kept fraction (resize) or migrated fraction (migrate)
     why: str
     keep: float = 1.0  # migrate: the fraction the straggler also keeps (< 1 where migration alone cannot balance)
+    detail: str = ""  # unit migration: the units moved per block, to which rank, and the bytes moved once
 
     def line(self) -> str:
         who = f"rank {self.straggler}" if self.straggler is not None else "no straggler"
@@ -74,6 +81,7 @@ class Decision:
         return (
             f"step {self.step}: {self.action} ({who}, ratio {self.ratio:.2f}, excess {self.excess_s * 1e3:.1f} ms/step, "
             f"migration {self.move_bytes:,} B = {self.move_s * 1e3:.1f} ms/step, fraction {self.fraction:.2f}{also}): {self.why}"
+            + (f"; {self.detail}" if self.detail else "")
         )
 
 
@@ -100,6 +108,7 @@ HISTORY = 8  # windows kept for the affine fit
 MIN_WORK_SPREAD = 0.1  # the windows fit a line only if their work levels span this much
 MIGRATION_MARGIN = 0.05  # a migration whose step is this much slower than a full-width step failed
 CHANGED = 0.4  # a window this far (relative) off the fit so far: the rank's speed changed
+UNIT_HYSTERESIS = 0.1  # unit migration: units in force stay where a new decision moves less than this much more or less work
 
 
 def affine_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -178,8 +187,10 @@ def decide(
     excess = max(0.0, speed[straggler] - statistics.median(others))
     state.persistent = state.persistent + 1 if state.last_straggler == straggler and ratio >= 1 + config.threshold else 0
     state.last_straggler = straggler if ratio >= 1 + config.threshold else None
-    # (1 - a m) ratio == 1 + a m balances the ranks, a = the migratable share of the work
-    needed = (ratio - 1) / (ratio + 1) / max(migratable, 1e-9)
+    # a_s + b_s (1 - a m) == a_o + b_o (1 + a m) balances the ranks, a = the migratable share
+    # of the work (with no fixed part: (1 - a m) ratio == 1 + a m)
+    per_shard_others = statistics.median([fits[r][1] for r in range(len(fits)) if r != straggler] or [fits[straggler][1]])
+    needed = (speed[straggler] - statistics.median(others)) / max(fits[straggler][1] + per_shard_others, 1e-12) / max(migratable, 1e-9)
     migrate_fraction = min(config.max_migrate, needed)
     moved = migratable * migrate_fraction
     keep_after = min(1.0, max(config.min_fraction, (1 + moved) / (ratio * (1 - moved))))  # resize the rest
@@ -248,12 +259,18 @@ class SemiController:
         self.decisions: list[Decision] = []
         self.errors: list[float] = []  # resizing error of every step (0 when nothing is dropped)
         self.adjust = None
-        self.migratable = migratable_share(resizer)
+        self.units = config.migrate == "units" and bool(resizer.units)  # unit migration (else columns)
+        self.migratable = 1.0 if self.units else migratable_share(resizer)
         self.enabled = True  # False: steps are not timed nor decided on (a bench's compute-only steps, where collectives are local)
         self._start: tuple[float, float] | None = None
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer whose state moves with migrated units (else they restart theirs)."""
+        self.resizer.optimizer = optimizer
+
     def begin_step(self) -> None:
         if self._start is None and self.enabled:
+            self.resizer.apply_pending()  # a unit migration decided last step moves now (collective)
             self._start = (time.perf_counter(), self.scheduler.blocked_s)
 
     def my_work(self) -> float:
@@ -261,6 +278,10 @@ class SemiController:
         me = self.resizer.tp_rank
         share = self.resizer.fraction
         migration = self.resizer.migration
+        units = self.resizer.unit_migration
+        if units:
+            moved = self.resizer.moved_share(units["counts"])
+            return share * (1 - moved) if me == units["giver"] else share + moved if me == units["taker"] else share
         if migration:
             moved = self.migratable * migration["fraction"]
             share = share * (1 - moved) if me == migration["giver"] else share + moved if me == migration["taker"] else share
@@ -312,15 +333,35 @@ class SemiController:
             self.resizer.restore()
         elif decision.action == "resize":
             self.resizer.migrate(0, 0, 0.0)
+            if self.resizer.unit_migration is not None:
+                self.resizer.request_units(0, 0, {})
             self.resizer.resize(decision.fraction if me == decision.straggler else 1.0)
         elif decision.action == "migrate":
             self.resizer.resize(decision.keep if me == decision.straggler else 1.0)
             times = self.state.samples[-1]
             taker = min((r for r in range(len(times)) if r != decision.straggler), key=lambda r: (times[r], r))
-            self.resizer.migrate(decision.straggler, taker, decision.fraction)
+            if self.units:
+                counts = self.resizer.unit_counts(decision.fraction)
+                current = self.resizer.pending or self.resizer.unit_migration
+                if current and current["counts"] and current["giver"] == decision.straggler and (
+                    abs(self.resizer.moved_share(counts) - self.resizer.moved_share(current["counts"])) < UNIT_HYSTERESIS
+                ):
+                    taker, counts = current["taker"], current["counts"]  # close enough: moving again would cost more
+                self.resizer.request_units(decision.straggler, taker, counts)
+                size = sum(self.resizer.params[name].element_size() * self.resizer.units[key].index(layout, 0, n).numel()
+                           * (self.resizer.params[name].numel() // self.resizer.params[name].shape[dim])
+                           for key, n in counts.items() for name, dim, layout in self.resizer.units[key].tensors)
+                decision.detail = (f"units to rank {taker}: " + ", ".join(f"{n}/{self.resizer.units[k].units} "
+                                   f"of {k.rsplit('.', 1)[0]}" for k, n in counts.items())
+                                   + f" ({self.resizer.moved_share(counts):.0%} of its work; {size:,} B of weights moved once, with their optimizer state)")
+            else:
+                self.resizer.migrate(decision.straggler, taker, decision.fraction)
 
     def _bytes_per_fraction(self) -> float:
-        """Bytes per step that migrating a whole shard's row-parallel columns would move."""
+        """Bytes per step that migrating a whole shard's row-parallel columns would move (unit
+        migration moves nothing per step)."""
+        if self.units:
+            return 0.0
         total = 0
         for key, (weight, kind) in self.resizer.linears.items():
             if kind == "row":
@@ -348,7 +389,11 @@ def migratable_share(resizer: Resizer) -> float:
 def make_controller(module: torch.nn.Module, spec: dict, scheduler, topology: Topology, tp_rank: int) -> SemiController:
     """The controller for a module the resize_tp pass rewrote (`spec`: its annotation)."""
     linears = {key: (module.get_parameter(key), info["kind"]) for key, info in spec["linears"].items()}
-    resizer = Resizer(linears, scheduler.op_state, tp_rank, topology.tp)
+    units, params = {}, {}
+    for key, unit in (spec.get("units") or {}).items():
+        units[key] = UnitBlock(key, unit["graph"], unit["kinds"], [tuple(t) for t in unit["tensors"]], unit["per_rank"], unit["unit"])
+        params.update({name: module.get_parameter(name) for name, _dim, _layout in unit["tensors"]})
+    resizer = Resizer(linears, scheduler.op_state, tp_rank, topology.tp, units=units, params=params, scheduler=scheduler)
     options = spec["options"]
     config = SemiConfig(**{f.name: options[f.name] for f in dataclasses.fields(SemiConfig) if f.name in options})
     group = topology.process_groups()["tp"]
