@@ -167,6 +167,7 @@ def quality_worker(rank: int, world_size: int, steps: int, batch: int) -> dict:
         model, _ = dense_gpt(batch)
         dm = distribute(model, Plan.from_cli(passes, world_size=world_size, tp=world_size), (data[0],))
         optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
+        dm.attach_optimizer(optimizer)  # resize_tp: migrated units move their optimizer state with them
         losses, start = [], time.perf_counter()
         with slowdown.applied(dm.scheduler, active=slowed):
             for step in range(steps):

@@ -244,6 +244,10 @@ def unit_suite(rank: int, world_size: int) -> dict:
     result["slot_sizes"] = [tuple(p.shape) for p in resizer.slots.parameters()]
     migrated = _unit_step(dm, ids, probe)
     result["migrated"] = _diff(reference, migrated)
+    # the same through the general path (a resize that keeps every column, with units given)
+    resizer.resize(1.0, kept={key: list(range(resizer.plan(key).width)) for key in resizer.linears})
+    result["migrated_general"] = _diff(reference, _unit_step(dm, ids, probe))
+    resizer.resize(1.0)
     records = _records(dm, ids, probe)
     result["records_match"] = records == _records(plain, ids, probe)
     # no traffic per step beyond plain tp's own collectives

@@ -229,7 +229,7 @@ def test_unit_functions_sum_over_all_units_to_the_block():
             for w, d, (outer, inner) in weights:
                 rows = torch.arange(outer * units * inner).view(outer, units, inner)[:, u : u + function["unit"], :].reshape(-1)
                 slices.append(w.index_select(d, rows))
-            out = out + function["graph"](x, *sizes, *slices)
+            out = out + function["graph"](function["unit"], x, *sizes, *slices)
         return out
 
     mlp = units["layers.1.mlp"]
@@ -240,6 +240,13 @@ def test_unit_functions_sum_over_all_units_to_the_block():
     expected = layer.attn(h) - layer.attn.o.bias
     got = whole(attn, h, [2, 6], 8, [(layer.attn.qkv.weight, 0, (3, 4)), (layer.attn.o.weight, 1, (1, 4))])
     assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+    # one call for several heads (count is an input): heads 2..4 at once == one at a time
+    grid = torch.arange(96).view(3, 8, 4)
+    rows = grid[:, 2:5, :].reshape(-1)
+    several = attn["graph"](3, h, 2, 6, layer.attn.qkv.weight[rows], layer.attn.o.weight[:, grid[0, 2:5, :].reshape(-1)])
+    one_by_one = sum(attn["graph"](1, h, 2, 6, layer.attn.qkv.weight[grid[:, u : u + 1, :].reshape(-1)],
+                                   layer.attn.o.weight[:, grid[0, u : u + 1, :].reshape(-1)]) for u in (2, 3, 4))
+    assert torch.allclose(several, one_by_one, atol=1e-12, rtol=0)
     # resize_tp routes every block's partial product through tp_units, before the all-reduce
     program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=2, tp=2), (ids,))
     added = [n for n in program.graph.nodes if n.target is commfx.tp_units.default]
@@ -272,6 +279,7 @@ def _check_units(results, world_size):
         assert result["plain_untouched"] == 0.0
         assert result["moved_bytes"] > 0
         assert result["migrated"] <= 1e-10  # outputs and every gradient (the taker's slot gradients summed back)
+        assert result["migrated_general"] <= 1e-10  # given units beside resizing's index path
         assert result["records_match"] and result["records_kinds"] == ["tp_all_reduce"]  # no collective added per step
         assert result["undo_exact"] and result["slots_empty_after_undo"] and result["plans_plain_after_undo"]
         assert result["restored"] == 0.0

@@ -119,6 +119,8 @@ class _PlanRunner:
         self.records: list = []
         self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": []}
         self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
+        if self.controller is not None:
+            self.controller.attach_optimizer(self.optimizer)  # migrated units move their AdamW state with them
         packing = getattr(self.dm, "packing", None) or {}
         self.replace_every = max((spec["replace_every"] for spec in packing.values()), default=0)
         self.real_steps = 0

@@ -610,19 +610,22 @@ def _unit_size(per: int, heads: bool) -> int:
 
 
 def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes: "_Sizes") -> dict | None:
-    """The block computed for one unit alone (a head, or a block of MLP columns), as its own
-    graph: (the block's outside inputs..., each column linear's weight rows [and bias], the
-    row linear's weight columns) -> that unit's row-parallel partial product (no bias).
+    """The block computed for a few consecutive heads (or MLP columns) alone, as its own graph:
+    (count, the block's outside inputs..., each column linear's weight rows [and bias], the
+    row linear's weight columns) -> their row-parallel partial product (no bias), for any
+    `count` heads/columns whose weight slices are given (cut as the block's layouts, outer x
+    count x inner).
 
-    Planned with the same shard rules as the block, for as many parts as there are units, so
-    literal sizes are the unit's. None where the rules cannot cut the block that finely
-    (grouped-query attention with fewer k/v heads than units). Used by resize_tp to have a
-    faster rank compute a slow rank's units from the replicated input (runtime/resize.py)."""
+    Planned with the same shard rules as the block for one part per head/column; the literal
+    sizes those rules make local become count x the per-head size, so one graph serves any
+    count. None where the rules cannot cut the block that finely (grouped-query attention,
+    whose k/v have fewer heads). `unit` is what resize_tp moves at a time: a head, or the
+    fewest columns that cut one rank's share into at most UNIT_BLOCKS blocks; a faster rank
+    computes a slower rank's units with it from the replicated input (runtime/resize.py)."""
     units, inner = block.row_layout[1], block.row_layout[2]
     per = units // tp
-    size = _unit_size(per, heads=inner > 1)
     try:
-        planned = _plan_block(graph, block.path, nodes, linears, units // size, sizes)
+        planned = _plan_block(graph, block.path, nodes, linears, units, sizes)
     except (Unsupported, _NotABlock):
         return None
     new_args = {node: (args, kwargs) for node, args, kwargs in planned.rewrites}
@@ -639,6 +642,7 @@ def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes
             if arg not in inside and arg not in weights and arg not in externals and not (node is block.row and arg is _bias(node)):
                 externals.append(arg)
     sub = fx.Graph()
+    count = sub.placeholder("count")
     env = {e: sub.placeholder(f"input_{i}") for i, e in enumerate(externals)}
     columns = []
     for i, column in enumerate(block.columns):
@@ -649,22 +653,30 @@ def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes
         columns.append({"weight": column.args[1].target, "bias": bias.target if isinstance(bias, fx.Node) else None,
                         "layout": [block.layouts[column][0], per, block.layouts[column][2]]})
     env[block.row.args[1]] = sub.placeholder("row_weight")
+
+    def scaled(old, new):
+        """`new` with each literal the rules divided (old != new) as count x new."""
+        if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)) and len(old) == len(new):
+            return type(new)(scaled(o, n) for o, n in zip(old, new))
+        if type(old) is int and type(new) is int and old != new:
+            return new if new == -1 else sub.call_function(operator.mul, (count, new))
+        return fx.map_arg(new, env.get)
+
     for node in sequence:
-        args, kwargs = new_args.get(node, (node.args, node.kwargs))
-        if node is block.row:
-            args, kwargs = (args[0], args[1]), {}
-        if node in block.columns:
-            args, kwargs = (args[0], args[1], _bias(node)), {}
         if node in block.columns or node is block.row:
-            env[node] = sub.call_function(F.linear, fx.map_arg(args, env.get), fx.map_arg(kwargs, env.get))
+            args = (env[node.args[0]], env[node.args[1]], env.get(_bias(node)) if node in block.columns else None)
+            env[node] = sub.call_function(F.linear, args)
+        elif node in new_args:
+            args, kwargs = new_args[node]
+            env[node] = sub.call_function(node.target, scaled(node.args, args), scaled(node.kwargs, kwargs)) if node.op == "call_function" \
+                else sub.call_method(node.target, scaled(node.args, args), scaled(node.kwargs, kwargs))
         else:
             env[node] = sub.node_copy(node, lambda a: env[a])
-            env[node].args, env[node].kwargs = fx.map_arg(args, env.get), fx.map_arg(kwargs, env.get)
     sub.output(env[block.row])
     return {
         "graph": fx.GraphModule(torch.nn.Module(), sub), "externals": externals, "columns": columns,
         "row": {"weight": block.row.args[1].target, "layout": [block.row_layout[0], per, block.row_layout[2]]},
-        "unit": size, "per_rank": per,
+        "unit": _unit_size(per, heads=inner > 1), "per_rank": per,
     }
 
 

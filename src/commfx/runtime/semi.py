@@ -193,7 +193,9 @@ def decide(
     needed = (speed[straggler] - statistics.median(others)) / max(fits[straggler][1] + per_shard_others, 1e-12) / max(migratable, 1e-9)
     migrate_fraction = min(config.max_migrate, needed)
     moved = migratable * migrate_fraction
-    keep_after = min(1.0, max(config.min_fraction, (1 + moved) / (ratio * (1 - moved))))  # resize the rest
+    # resize the rest: a_s + b_s (1 - moved) k == T_o + b_o moved (k = (1 + moved) / (ratio (1 - moved)) with no fixed part)
+    keep_after = min(1.0, max(config.min_fraction, (statistics.median(others) + per_shard_others * moved - fits[straggler][0])
+                               / max(fits[straggler][1] * (1 - moved), 1e-12)))
     move_bytes = int(bytes_per_column_step * migrate_fraction)
     move_s = move_bytes / bandwidth if bandwidth else 0.0
     # a + b f = the others' time (their full-width time: they keep full width)
