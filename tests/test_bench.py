@@ -167,3 +167,14 @@ def test_bench_re_places_packed_experts_between_real_steps(tmp_path):
     assert "pack_experts re-placed after step 3" in stdout
     baseline = next(p for p in result["plans"] if p["label"] == "baseline")
     assert baseline["expert_placement_decisions"] == []
+
+
+def test_bench_steps_per_round_times_consecutive_steps_with_deferred_gradients(tmp_path):
+    # --steps-per-round 3 with defer_grad_sync: each phase covers 3 consecutive steps and is
+    # divided by 3, so bytes per step are still exactly one step's (the analytic counts).
+    result, stdout, _ = _bench(tmp_path, "--no-emulation", "--steps-per-round", "3", "--passes", f"{PASSES},defer_grad_sync")
+    assert result["steps_per_round"] == 3 and "of 3 steps each" in stdout
+    plan = next(p for p in result["plans"] if p["label"] == "plan")
+    assert plan["passes"].endswith("defer_grad_sync")
+    result["plans"][0]["passes"] = PASSES
+    _check_result(result, stdout)

@@ -154,8 +154,7 @@ class _PlanRunner:
         self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked) / self.steps_per_round  # wall less comm waits
         self.records, self.scheduler.records = self.scheduler.records, None
         stats = {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
-        for _ in range(self.steps_per_round):
-            self._replace_experts_when_due()
+        self._replace_experts_when_due()
         return span, stats
 
     def _train_steps(self) -> None:
@@ -167,11 +166,12 @@ class _PlanRunner:
 
     def _replace_experts_when_due(self) -> None:
         """pack_experts:replace_every=N: re-place experts after every N real steps, as a
-        training run does (`attach_optimizer`), but outside the timed span and its byte count,
+        training run does (`attach_optimizer`), but outside the timed span and its byte count
+        (at most once per round: after the round whose steps reach the next multiple of N),
         and never after the compute-only replay, whose collectives are local copies (ranks
         would decide from different statistics)."""
-        self.real_steps += 1
-        if self.replace_every and self.real_steps % self.replace_every == 0:
+        before, self.real_steps = self.real_steps, self.real_steps + self.steps_per_round
+        if self.replace_every and self.real_steps // self.replace_every > before // self.replace_every:
             for d in self.dm.replace_experts(self.optimizer):
                 self.placement_lines.append(
                     f"after step {self.real_steps}: {d.op_id} moved {d.moved} experts, co-located selections "
