@@ -281,6 +281,13 @@ def unit_suite(rank: int, world_size: int) -> dict:
         if migrate:
             result["slot_state_after_undo"] = sum(1 for p in resizer.slots.parameters() if p in optimizer.state)
     result["training_diff"] = _max_diff(*runs)
+    # an optimizer over the inner module's parameters would never train the slots: refused
+    dm.attach_optimizer(torch.optim.AdamW(dm.module.parameters(), lr=1e-2))
+    try:
+        resizer.move_units(giver, taker, counts)
+        result["unoptimized_slots_error"] = ""
+    except ValueError as error:
+        result["unoptimized_slots_error"] = str(error)
     resizer.optimizer = None
 
     # state_dict while migrated: the layout and the slots come back with it.

@@ -285,6 +285,7 @@ def _check_units(results, world_size):
         assert result["restored"] == 0.0
         assert result["training_diff"] <= 1e-10  # AdamW with units moved, moved again, moved back == AdamW
         assert result["slot_state_after_undo"] == 0  # the slots' optimizer state went back with them
+        assert "does not hold resize_tp's unit slots" in result["unoptimized_slots_error"]
         assert result["layout_after_load"] == result["layout_saved"]  # which units are where survives state_dict
         assert result["load_diff"] == 0.0 and result["load_vs_reference"] <= 1e-10
         assert result["restored_at_end"] and result["restored_exact"] <= 1e-10

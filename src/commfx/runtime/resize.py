@@ -539,6 +539,14 @@ class Resizer:
         `back`): each rank puts what it sends into a zero buffer and the group sums it (exact:
         x + 0 == x), in block order, weight then its optimizer state, on every rank alike."""
         giver, taker, me = migration["giver"], migration["taker"], self.tp_rank
+        if self.optimizer is not None and not back:
+            optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            missing = [key for key, block in self.units.items() if any(id(slot) not in optimized for slot in block.slots)]
+            if missing:
+                raise ValueError(
+                    "the attached optimizer does not hold resize_tp's unit slots (module.tp_slots), so units moved to "
+                    "a faster rank would not train: build it over the distributed module's parameters(), not .module's"
+                )
         moved = 0
         for key in sorted(migration["counts"]):
             block, count = self.units[key], migration["counts"][key]

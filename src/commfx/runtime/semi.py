@@ -136,15 +136,16 @@ def _trimmed(windows: list[list[list[float]]]) -> list[list[list[float]]]:
     return older[-1:] + recent
 
 
-def full_width_times(times: list[float], work: list[float], state: "SemiState") -> tuple[list[float], list[tuple[float, float]]]:
+def full_width_times(times: list[float], work: list[float], state: "SemiState", units: bool = False) -> tuple[list[float], list[tuple[float, float]]]:
     """Each rank's time at full width (work 1) and its fit (a, b) of t = a + b w over the
     recent windows and this one (t = b w where no line fits). A window far off the line the
     earlier ones fit (a rank that recovered or slowed down) starts the history anew. Windows
-run under a migration are not fitted (the fit of the windows before stands)."""
+    run under a column migration are not fitted (the fit of the windows before stands: their
+    times hold the hand-offs); under unit migration (`units`) they are, at each rank's share."""
     def points(r: int, windows) -> list[tuple[float, float]]:
         return [(past_work[r], past_times[r]) for past_times, past_work in windows]
 
-    if state.action == "migrate":
+    if state.action == "migrate" and not units:
         # Compute times under migration include its hand-offs: not fitted. The fit of the
         # windows before stands, unless time per unit of work now reads faster (a recovery).
         fits = []
@@ -178,7 +179,7 @@ def decide(
     `migratable`: the share of a rank's tp work that migration can move (its row-parallel linears);
     `step_s`: the window's step wall time (default: the slowest rank's compute time).
     """
-    speed, fits = full_width_times(times, work, state)
+    speed, fits = full_width_times(times, work, state, units=config.migrate == "units")
     straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
     others = [speed[r] for r in range(len(speed)) if r != straggler] or [speed[straggler]]
     ratio = speed[straggler] / max(statistics.median(others), 1e-12)
@@ -398,6 +399,8 @@ def make_controller(module: torch.nn.Module, spec: dict, scheduler, topology: To
     resizer = Resizer(linears, scheduler.op_state, tp_rank, topology.tp, units=units, params=params, scheduler=scheduler)
     options = spec["options"]
     config = SemiConfig(**{f.name: options[f.name] for f in dataclasses.fields(SemiConfig) if f.name in options})
+    if not units:
+        config = dataclasses.replace(config, migrate="columns")  # no block cuts into units: column migration
     group = topology.process_groups()["tp"]
     mine = next(g for g in group if scheduler.rank in g)
     across_nodes = len({topology.node_of(r) for r in mine}) > 1
