@@ -26,7 +26,8 @@ slower than the median of the others by `threshold` is a straggler:
   cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
   (semi-migration: most of the gap closed losslessly, the remainder by resizing);
 - a migration after which a step takes longer than a step at full width did before it
-  (measured, the window after) is undone for resizing, and SEMI does not migrate
+  (measured, `persist_windows` windows in a row: one slow window may be the machine's) is
+  undone for resizing, and SEMI does not migrate
   again until the rank recovers: the cost model can be wrong (migrated columns wait on the
   straggler's own input), the measurement is not;
 - recovered: full width and no migration again.
@@ -102,6 +103,7 @@ class SemiState:
     full_width_step_s: float = 0.0
     before_migration_s: float = 0.0
     migration_failed: str = ""  # why, once measured slower
+    slower_windows: int = 0  # windows in a row under migration measured slower than full width
 
 
 HISTORY = 8  # windows kept for the affine fit
@@ -220,9 +222,11 @@ def decide(
     step = max(times) if step_s is None else step_s
     if all(w == 1.0 for w in work):
         state.full_width_step_s = step  # nothing resized nor migrated: what doing nothing costs
-    if config.mode == "semi" and state.action == "migrate" and state.before_migration_s and step > state.before_migration_s * (1 + MIGRATION_MARGIN):
+    slower = state.action == "migrate" and state.before_migration_s and step > state.before_migration_s * (1 + MIGRATION_MARGIN)
+    state.slower_windows = state.slower_windows + 1 if slower else 0
+    if config.mode == "semi" and slower and state.slower_windows >= config.persist_windows:  # one slow window may be the machine's
         state.migration_failed = (
-            f"migration measured slower: a step took {step * 1e3:.1f} ms with it, "
+            f"migration measured slower: a step took {step * 1e3:.1f} ms with it ({state.slower_windows} windows in a row), "
             f"against {state.before_migration_s * 1e3:.1f} ms at full width without it"
         )
     if config.mode == "migrate" or (config.mode == "semi" and heavy and persistent and worth and not state.migration_failed):
