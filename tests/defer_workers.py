@@ -15,9 +15,11 @@ OPTIMIZERS = {
 STEPS = 3
 
 
-def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7) -> dict:
+def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7, micro_batches: int = 1) -> dict:
     """Per plan and optimizer: the losses of STEPS steps (an LR scheduler halving the rate
-    after every step), the parameters after them, and how many parameters were stepped late."""
+    after every step; each step accumulates gradients over `micro_batches` backward passes),
+    the parameters after them (read through state_dict, which settles deferred updates, and
+    after synchronize), and how many parameters were stepped late."""
     _, (ids,) = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
     local = (split_batch(ids, world_size, rank),)
     results = {}
@@ -35,16 +37,19 @@ def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7)
             losses = []
             for _ in range(STEPS):
                 optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(dm(*local), local)
-                loss.backward()
+                for micro in torch.tensor_split(local[0], micro_batches):
+                    loss = loss_fn(dm(micro), (micro,)) / micro_batches
+                    loss.backward()
+                    losses.append(loss.detach())
                 optimizer.step()
                 schedule.step()
-                losses.append(loss.detach())
             pending_before_sync = bool(dm.deferred and dm.deferred.pending)
+            saved = {k.removeprefix("module."): v.clone() for k, v in dm.state_dict().items() if isinstance(v, torch.Tensor)}
             dm.synchronize()
             result[name] = {
                 "losses": torch.stack(losses),
                 "params": {n: p.detach().clone() for n, p in dm.module.named_parameters()},
+                "saved": saved,
                 "caught_up": (dm.deferred.caught_up if dm.deferred else 0) - caught_up,
                 "pending_before_sync": pending_before_sync,
             }

@@ -31,23 +31,12 @@ def train_each_strategy(rank: int, world_size: int, rows: int, strategies: list[
         model = model.double()
         plan = Plan.from_cli(f"lift,split_embedding_comm:strategy={strategy}", world_size=world_size)
         dm = distribute(model, plan, (local,))
-        start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
-        result = {"decisions": {k: v["strategy"] for k, v in dm.program.annotations["embedding_comm"].items()}, "placement": dm.placement}
-        for name, make in OPTIMIZERS.items():
-            dm.load_state_dict(start)
-            optimizer = make(dm.parameters())
-            for step in range(STEPS):
-                optimizer.zero_grad(set_to_none=True)
-                dm.scheduler.stats.reset()
-                out = dm(local)
-                probe = split_batch(probes([out], rows, step)[0], world_size, rank)
-                (out * probe).sum().backward()
-                if step == 0 and name == "sgd":
-                    result["output"] = out.detach()
-                    result["grads"] = {n: p.grad.clone() for n, p in dm.module.named_parameters()}
-                    result["bytes"] = dm.scheduler.stats.as_dict()
-                optimizer.step()
-            result[name] = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+
+        def probe_loss(step):
+            out = dm(local)
+            return out, (out * split_batch(probes([out], rows, step)[0], world_size, rank)).sum()
+
+        result = _steps_with_each_optimizer(dm, probe_loss, "output")
         # commfx bench's compute-only step: every collective a local copy, so no id reaches its owner.
         dm.scheduler.local_only = True
         try:
@@ -60,6 +49,29 @@ def train_each_strategy(rank: int, world_size: int, rows: int, strategies: list[
     if backend:
         results["backend"] = _through_the_backend(rank, world_size, rows, local)
     return results
+
+
+def _steps_with_each_optimizer(dm, forward, recorded: str) -> dict:
+    """The split decisions and placement; step 0's `forward(step)` value (as `recorded`),
+    gradients and bytes by kind; the parameters after STEPS steps of each optimizer, from
+    the same start. `forward(step)` returns (the value to record, the loss to backpropagate)."""
+    start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
+    result = {"decisions": {k: v["strategy"] for k, v in dm.program.annotations["embedding_comm"].items()}, "placement": dm.placement}
+    for name, make in OPTIMIZERS.items():
+        dm.load_state_dict(start)
+        optimizer = make(dm.parameters())
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            dm.scheduler.stats.reset()
+            value, loss = forward(step)
+            loss.backward()
+            if step == 0 and name == "sgd":
+                result[recorded] = value.detach()
+                result["grads"] = {n: p.grad.clone() for n, p in dm.module.named_parameters()}
+                result["bytes"] = dm.scheduler.stats.as_dict()
+            optimizer.step()
+        result[name] = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+    return result
 
 
 def _through_the_backend(rank: int, world_size: int, rows: int, local: torch.Tensor) -> dict:
@@ -116,23 +128,12 @@ def train_each_head(rank: int, world_size: int, rows: int, heads: list[str]) -> 
         model, _ = build_loss(rows)
         plan = Plan.from_cli(f"lift,split_embedding_comm:head={head}", world_size=world_size)
         dm = distribute(model.double(), plan, local)
-        start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
-        result = {"decisions": {k: v["strategy"] for k, v in dm.program.annotations["embedding_comm"].items()}, "placement": dm.placement}
-        for name, make in OPTIMIZERS.items():
-            dm.load_state_dict(start)
-            optimizer = make(dm.parameters())
-            for step in range(STEPS):
-                optimizer.zero_grad(set_to_none=True)
-                dm.scheduler.stats.reset()
-                loss = dm(*local)
-                loss.backward()
-                if step == 0 and name == "sgd":
-                    result["loss"] = loss.detach()
-                    result["grads"] = {n: p.grad.clone() for n, p in dm.module.named_parameters()}
-                    result["bytes"] = dm.scheduler.stats.as_dict()
-                optimizer.step()
-            result[name] = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
-        results[head] = result
+
+        def own_loss(step):
+            loss = dm(*local)
+            return loss, loss
+
+        results[head] = _steps_with_each_optimizer(dm, own_loss, "loss")
     return results
 
 

@@ -1,12 +1,14 @@
 """defer_grad_sync: the gradient all-reduce runs on into the next forward, each parameter
 stepped at its first use there. Lossless: losses and parameters after 3 SGD (momentum,
 weight decay) and 3 AdamW steps, under an LR scheduler, equal the plan without it (float64),
-alone and under partition_a2a's priority lanes; and the plan errors."""
+alone and under partition_a2a's priority lanes, with gradient accumulation over micro-batches,
+and as state_dict reads them; and the plan errors."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import sys
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -19,11 +21,8 @@ BASE = "lift,expert_parallel"
 LINA = "lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=1024"
 
 
-@pytest.mark.distributed
-def test_deferred_steps_equal_steps_after_a_full_backward():
-    plans = [BASE, f"{BASE},defer_grad_sync", LINA, f"{LINA},defer_grad_sync"]
-    results = launch("defer_workers:train_each_plan", 2, {"plans": plans}, timeout_s=300, collective_timeout_s=60)
-    for plain, deferred in ((BASE, f"{BASE},defer_grad_sync"), (LINA, f"{LINA},defer_grad_sync")):
+def _check_equal(results, pairs):
+    for plain, deferred in pairs:
         for rank, result in enumerate(results):
             for optimizer in ("sgd", "adamw"):
                 want, got = result[plain][optimizer], result[deferred][optimizer]
@@ -32,9 +31,33 @@ def test_deferred_steps_equal_steps_after_a_full_backward():
                 torch.testing.assert_close(got["losses"], want["losses"], rtol=0, atol=1e-12)
                 for name, value in want["params"].items():
                     torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-12, msg=f"rank {rank} {deferred} {optimizer} {name}")
+                    torch.testing.assert_close(got["saved"][name], value, rtol=0, atol=1e-12, msg=f"state_dict {deferred} {name}")
+
+
+@pytest.mark.distributed
+def test_deferred_steps_equal_steps_after_a_full_backward():
+    plans = [BASE, f"{BASE},defer_grad_sync", LINA, f"{LINA},defer_grad_sync"]
+    results = launch("defer_workers:train_each_plan", 2, {"plans": plans}, timeout_s=300, collective_timeout_s=60)
+    _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"), (LINA, f"{LINA},defer_grad_sync")))
+
+
+@pytest.mark.distributed
+def test_deferred_gradients_accumulate_over_micro_batches():
+    """Two backward passes per step: the first one's deferred gradients are settled into
+    .grad by the second (no step came between), the second's are stepped late."""
+    plans = [BASE, f"{BASE},defer_grad_sync"]
+    results = launch("defer_workers:train_each_plan", 2, {"plans": plans, "micro_batches": 2}, timeout_s=300, collective_timeout_s=60)
+    _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"),))
 
 
 def test_defer_grad_sync_with_a_pipeline_is_a_plan_error():
     model, _ = load_model("gpt-moe")
     with pytest.raises(PlanError, match="defer_grad_sync does not work with pipeline_split"):
         check_plan(Plan.from_cli("lift,pipeline_split,defer_grad_sync", world_size=2, pp=2), model)
+
+
+def test_defer_grad_sync_under_torch_compile_is_a_plan_error():
+    from commfx.backend import backend
+
+    with pytest.raises(PlanError, match="defer_grad_sync needs commfx.distribute"):
+        backend(Plan.from_cli("lift,expert_parallel,defer_grad_sync", world_size=2))

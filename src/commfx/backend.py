@@ -44,6 +44,11 @@ from .runtime.module import configure_comm
 class CommfxBackend:
     def __init__(self, plan: Plan):
         self.plan = _shard_in_graph(plan)
+        if "defer_grad_sync" in plan.pass_names():
+            raise PlanError(
+                "defer_grad_sync needs commfx.distribute (whose module knows the optimizer and steps deferred parameters "
+                "late); under torch.compile's commfx backend gradients are reduced in backward: drop it from the plan"
+            )
         check_plan(self.plan)
         self.programs: list[Program] = []
         # Per compiled graph: {"forward": gm, "backward": gm}; backward appears at the first backward.
