@@ -158,9 +158,11 @@ def test_split_head_equals_dense_data_parallelism_over_three_optimizer_steps():
 
 
 @pytest.mark.distributed
-def test_verify_split_head_at_world_four():
-    """commfx verify's check (float64, every gradient) at world 4 on 9 rows: ranks of 3, 2, 2, 2."""
-    plan = Plan.from_cli("lift,split_embedding_comm:head=shard", world_size=4)
+@pytest.mark.parametrize("ep", [4, 2])
+def test_verify_split_head_at_world_four(ep):
+    """commfx verify's check (float64, every gradient) at world 4 on 9 rows: ranks of 3, 2,
+    2, 2; the head split over all four ranks, or over ep=2 and replicated over the rest."""
+    plan = Plan.from_cli("lift,split_embedding_comm:head=shard", world_size=4, ep=ep)
     (report,) = verify([VerifyCase(str(TESTS / "model_files" / "embedding_lm.py") + ":build_loss_9", plan)], 4, timeout_s=300)
     assert report.ok, report.failures
     assert report.grad_diffs["lm.head.weight"] <= 1e-10 and report.tokens_per_rank == [18, 12, 12, 12]
