@@ -155,10 +155,10 @@ def test_semi_migrates_what_it_can_and_resizes_the_rest_when_migration_alone_can
     heavy = dict(times=[0.10, 0.20], work=[1.0, 1.0], bytes_per_column_step=1e6, bandwidth=1e9)
     # 40% of the work is row-parallel: balancing a 2x straggler needs (2-1)/(2+1)/0.4 = 83% of
     # those columns, over max_migrate=0.5; so move half (20% of the work) and keep (1+0.2)/(2*0.8).
-    semi = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(), migratable=0.4, **heavy)
+    semi = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(max_migrate=0.5, migrate="columns"), migratable=0.4, **heavy)
     assert (semi.action, semi.fraction) == ("migrate", 0.5) and semi.keep == pytest.approx(0.75)
     assert "cannot balance" in semi.why and "keep 0.75" in semi.line()
-    only = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(mode="migrate"), migratable=0.4, **heavy)
+    only = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(mode="migrate", max_migrate=0.5, migrate="columns"), migratable=0.4, **heavy)
     assert (only.action, only.fraction, only.keep) == ("migrate", 0.5, 1.0)  # mode=migrate never resizes
     enough = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(), migratable=1.0, **heavy)
     assert enough.action == "migrate" and enough.fraction == pytest.approx(1 / 3) and enough.keep == 1.0

@@ -51,7 +51,7 @@ class ResizeTP(Pass):
         window: int = 4  # steps whose timings are averaged before deciding
         threshold: float = 0.15  # a rank this much slower than the median of the others is a straggler
         min_fraction: float = 0.25  # resizing never keeps fewer columns than this fraction
-        max_migrate: float = 0.5  # migration never moves more than this fraction of a shard
+        max_migrate: float = 0.75  # migration never moves more than this fraction of a shard (its units, or its row-parallel columns)
         heavy_ratio: float = 1.5  # SEMI: slowdown from which persistent slowness is worth migrating
         persist_windows: int = 2  # SEMI: windows in a row that make slowness persistent
         migrate: str = "auto"  # units: whole heads / MLP column blocks, moved once; columns: row-parallel columns sent every step; auto: units where dp = pp = 1

@@ -209,39 +209,54 @@ def _cut(t: torch.Tensor, dim: int, plan: LinearPlan) -> torch.Tensor:
     return t.unflatten(dim, (outer, per, inner)).narrow(dim + 1, 0, kept)
 
 
+def _kept(t: torch.Tensor, dim: int, plan: LinearPlan) -> torch.Tensor:
+    """The kept heads/columns of a 2-d `t` along `dim`: a view where they are one range (one
+    outer part: MLP columns, a row-parallel linear's), else a copy."""
+    outer, per, inner, kept = plan.cut
+    if outer == 1:
+        return t.narrow(dim, 0, kept * inner)
+    return _cut(t, dim, plan).flatten(dim, dim + 2)
+
+
+def _put(t: torch.Tensor, dim: int, plan: LinearPlan, value: torch.Tensor) -> torch.Tensor:
+    """Write `value` (the kept heads/columns) into a 2-d `t` along `dim`; returns `t`."""
+    outer, per, inner, kept = plan.cut
+    if outer == 1:
+        t.narrow(dim, 0, kept * inner).copy_(value)
+    else:
+        _cut(t, dim, plan).copy_(value.unflatten(dim, (outer, kept, inner)))
+    return t
+
+
 def _cut_forward(plan: LinearPlan, x, weight, bias):
-    """A giver's linear with its last units given away: slices (views), no index copies."""
-    plan.rows = x.numel() // max(x.shape[-1], 1)
+    """A giver's linear with its last units given away, in 2-d on views of the kept units
+    (one range for MLP columns and row-parallel linears): no index copies."""
+    out, width = weight.shape
+    x2 = x.reshape(-1, width)
+    plan.rows = x2.shape[0]
     if plan.kind == "row":  # contraction columns
-        return F.linear(_cut(x, -1, plan).flatten(-3), _cut(weight, 1, plan).flatten(1, 3), bias)
-    w = _cut(weight, 0, plan).flatten(0, 2)
-    part = F.linear(x, w, None if bias is None else _cut(bias, 0, plan).flatten())
-    y = x.new_zeros((*x.shape[:-1], weight.shape[0]))
-    _cut(y, -1, plan).copy_(part.unflatten(-1, (plan.cut[0], plan.cut[3], plan.cut[2])))
-    return y
+        y2 = F.linear(_kept(x2, 1, plan), _kept(weight, 1, plan), bias)
+    else:
+        part = F.linear(x2, _kept(weight, 0, plan), None if bias is None else _kept(bias.unsqueeze(1), 0, plan).squeeze(1))
+        y2 = _put(x2.new_zeros((x2.shape[0], out)), 1, plan, part)
+    return y2.view(*x.shape[:-1], out)
 
 
 def _cut_backward(plan: LinearPlan, grad, x, weight, has_bias):
     out, width = weight.shape
-    x2 = x.reshape(-1, width)
+    x2, g2 = x.reshape(-1, width), grad.reshape(-1, out)
     if plan.kind == "row":
-        w = _cut(weight, 1, plan).flatten(1, 3)
-        grad_x = x.new_zeros(x.shape)
-        _cut(grad_x, -1, plan).copy_(grad.matmul(w).unflatten(-1, (plan.cut[0], plan.cut[3], plan.cut[2])))
-        grad_w = weight.new_zeros(weight.shape)
-        part = grad.reshape(-1, out).t().matmul(_cut(x2, 1, plan).flatten(1, 3))
-        _cut(grad_w, 1, plan).copy_(part.unflatten(1, (plan.cut[0], plan.cut[3], plan.cut[2])))
-        return grad_x, grad_w, grad.reshape(-1, out).sum(0) if has_bias else weight.new_empty((0,))
-    g = _cut(grad, -1, plan).flatten(-3)  # the kept rows' output gradient
-    g2 = g.reshape(-1, g.shape[-1])
-    grad_x = g.matmul(_cut(weight, 0, plan).flatten(0, 2))
-    grad_w = weight.new_zeros(weight.shape)
-    _cut(grad_w, 0, plan).copy_(g2.t().matmul(x2).unflatten(0, (plan.cut[0], plan.cut[3], plan.cut[2])))
+        grad_x = _put(x2.new_zeros(x2.shape), 1, plan, g2.matmul(_kept(weight, 1, plan)))
+        grad_w = _put(weight.new_zeros(weight.shape), 1, plan, g2.t().matmul(_kept(x2, 1, plan)))
+        bias_grad = g2.sum(0) if has_bias else weight.new_empty((0,))
+        return grad_x.view(x.shape), grad_w, bias_grad
+    gk = _kept(g2, 1, plan)  # the kept rows' output gradient
+    grad_x = gk.matmul(_kept(weight, 0, plan))
+    grad_w = _put(weight.new_zeros(weight.shape), 0, plan, gk.t().matmul(x2))
     bias_grad = weight.new_empty((0,))
     if has_bias:
-        bias_grad = weight.new_zeros((out,))
-        _cut(bias_grad, 0, plan).copy_(g2.sum(0).unflatten(0, (plan.cut[0], plan.cut[3], plan.cut[2])))
-    return grad_x, grad_w, bias_grad
+        bias_grad = _put(weight.new_zeros((out, 1)), 0, plan, gk.sum(0).unsqueeze(1)).squeeze(1)
+    return grad_x.view(x.shape), grad_w, bias_grad
 
 
 # ---------------------------------------------------------------------- unit migration

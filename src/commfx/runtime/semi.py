@@ -56,7 +56,7 @@ class SemiConfig:
     window: int = 4
     threshold: float = 0.15
     min_fraction: float = 0.25
-    max_migrate: float = 0.5
+    max_migrate: float = 0.75
     heavy_ratio: float = 1.5
     persist_windows: int = 2
     migrate: str = "units"  # units | columns (what a migration moves; see resize.py)
