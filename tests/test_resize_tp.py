@@ -160,6 +160,9 @@ def test_semi_migrates_what_it_can_and_resizes_the_rest_when_migration_alone_can
     assert "cannot balance" in semi.why and "keep 0.75" in semi.line()
     only = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(mode="migrate", max_migrate=0.5, migrate="columns"), migratable=0.4, **heavy)
     assert (only.action, only.fraction, only.keep) == ("migrate", 0.5, 1.0)  # mode=migrate never resizes
+    # unit migration never resizes on top: a 9x straggler needs 80% of its units moved, 75% go, nothing dropped
+    units = decide([0.10, 0.90], [1.0, 1.0], SemiState(persistent=3, last_straggler=1), SemiConfig(migrate="units"), 1e6, 1e9)
+    assert (units.action, units.fraction, units.keep) == ("migrate", 0.75, 1.0) and "lossless only" in units.why
     enough = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(), migratable=1.0, **heavy)
     assert enough.action == "migrate" and enough.fraction == pytest.approx(1 / 3) and enough.keep == 1.0
 

@@ -24,7 +24,11 @@ slower than the median of the others by `threshold` is a straggler:
   `Resizer.apply_pending`), so nothing moves per step; with column migration
   (`migrate=columns`) only row-parallel columns can move, so where `max_migrate` of them
   cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
-  (semi-migration: most of the gap closed losslessly, the remainder by resizing);
+  (most of the gap closed losslessly, the remainder by resizing). Under unit migration SEMI
+  does not resize on top of it: measured in run 3 (benchmarks/RESULTS.md), a straggler both
+  resized and giving units away was slower than one only giving units away (resizing's
+  index copies cost about what its dropped columns save there), and the migration stays
+  exact;
 - a migration after which a step takes longer than a step at full width did before it
   (measured, `persist_windows` windows in a row: one slow window may be the machine's) is
   undone for resizing, and SEMI does not migrate
@@ -235,9 +239,12 @@ def decide(
         if state.action != "migrate":
             state.before_migration_s = state.full_width_step_s or max(speed)
         why = f"heavy (ratio >= {config.heavy_ratio}) and persistent ({state.persistent + 1} windows), and moving costs less than the excess"
-        if keep_after < 1.0 and needed > migrate_fraction:
+        if keep_after < 1.0 and needed > migrate_fraction and config.migrate != "units":
             why += f"; migrating {migrate_fraction:.0%} of its row-parallel columns cannot balance the ranks, so it keeps {keep_after:.0%} too"
             return made("migrate", migrate_fraction, why, keep_after)
+        if needed > migrate_fraction:
+            why += (f"; {migrate_fraction:.0%} of its units (max_migrate) cannot quite balance the ranks (needs {needed:.0%}); "
+                    "not resized on top: lossless only")
         return made("migrate", migrate_fraction, why)
     why = "mode=resize" if config.mode == "resize" else (
         "light" if not heavy else "transient" if not persistent else state.migration_failed or "moving would cost more than the excess"
