@@ -27,13 +27,13 @@ class DeferredStep:
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepping = False  # inside our own optimizer.step() (other step hooks should ignore it)
         self.caught_up = 0  # parameters stepped after their optimizer step, so far (for tests and reports)
-        self.ordered = False
+        self.ordered = False  # the urgent buckets are chosen (at the first forward)
+        self._missed: dict[int, tuple[list[dict], torch.Tensor | None]] = {}  # slot -> (hyperparameters, grad set aside)
 
     def order(self, position: dict[int, float]) -> None:
         """Where the forward first uses each parameter (0..1): the urgent buckets go first."""
         self.sync.order_for_forward(position)
         self.ordered = True
-        self._missed: dict[int, tuple[list[dict], torch.Tensor | None]] = {}  # slot -> (hyperparameters, grad set aside)
 
     @property
     def pending(self) -> bool:
