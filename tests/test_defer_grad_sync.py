@@ -50,10 +50,17 @@ def test_deferred_gradients_accumulate_over_micro_batches():
     _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"),))
 
 
-def test_defer_grad_sync_with_a_pipeline_is_a_plan_error():
+@pytest.mark.parametrize(
+    "passes, topology, message",
+    [
+        ("lift,pipeline_split,defer_grad_sync", {"pp": 2}, "defer_grad_sync does not work with pipeline_split"),
+        ("lift,tensor_parallel,resize_tp,defer_grad_sync", {"tp": 2}, "defer_grad_sync does not work with resize_tp"),
+    ],
+)
+def test_defer_grad_sync_plan_errors(passes, topology, message):
     model, _ = load_model("gpt-moe")
-    with pytest.raises(PlanError, match="defer_grad_sync does not work with pipeline_split"):
-        check_plan(Plan.from_cli("lift,pipeline_split,defer_grad_sync", world_size=2, pp=2), model)
+    with pytest.raises(PlanError, match=message):
+        check_plan(Plan.from_cli(passes, world_size=2, **topology), model)
 
 
 def test_defer_grad_sync_under_torch_compile_is_a_plan_error():

@@ -31,7 +31,7 @@ import torch
 from ..runtime.comm import current_scheduler
 
 KIND = "head_all_to_all"  # what the scheduler counts the head's bytes under
-MEAN, SUM = "mean", "sum"
+MEAN = "mean"  # reduction="sum" adds the tokens up instead
 
 
 def _everyone(scheduler, x: torch.Tensor, counts: list[int], group: str, priority: str, tag: str) -> torch.Tensor:

@@ -46,6 +46,11 @@ class DeferGradSync(Pass):
                 "defer_grad_sync does not work with pipeline_split yet: a pipeline stage steps after its last "
                 "micro-batch, where nothing of the next forward is left to overlap; drop one of them"
             )
+        if options.enabled and "resize_tp" in plan.pass_names():
+            raise PlanError(
+                "defer_grad_sync does not work with resize_tp yet: both act between optimizer steps (a migration moves "
+                "optimizer state that a deferred step has still to update); drop one of them"
+            )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         program.annotations["grad_sync"] = "next_forward" if options.enabled else "backward"
