@@ -187,6 +187,10 @@ def test_semi_undoes_a_migration_measured_slower_than_doing_nothing():
     good = dict(config, state=SemiState(persistent=3, last_straggler=1))
     decide([0.10, 0.20], [1.0, 1.0], **good)
     assert decide([0.14, 0.15], [1.0 + moved, 1.0 - moved], **good).action == "migrate"
+    for _ in range(2):
+        assert decide([0.14, 0.15], [1.0 + moved, 1.0 - moved], **good).action == "migrate"
+    # judged right after it starts only: the machine slowing down later is not the migration's fault
+    assert all(decide([0.19, 0.24], [1.0 + moved, 1.0 - moved], **good).action == "migrate" for _ in range(3))
 
 
 def test_resizing_migration_and_the_controller_at_tp2():

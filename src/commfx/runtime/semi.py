@@ -30,7 +30,8 @@ slower than the median of the others by `threshold` is a straggler:
   index copies cost about what its dropped columns save there), and the migration stays
   exact;
 - a migration after which a step takes longer than a step at full width did before it
-  (measured, `persist_windows` windows in a row: one slow window may be the machine's) is
+  (measured in each of the `persist_windows` windows right after it starts: one slow window
+  may be the machine's, and later windows would blame it for the machine's drift) is
   undone for resizing, and SEMI does not migrate
   again until the rank recovers: the cost model can be wrong (migrated columns wait on the
   straggler's own input), the measurement is not;
@@ -108,6 +109,7 @@ class SemiState:
     before_migration_s: float = 0.0
     migration_failed: str = ""  # why, once measured slower
     slower_windows: int = 0  # windows in a row under migration measured slower than full width
+    migration_windows: int = 0  # windows since the migration in force started
 
 
 HISTORY = 8  # windows kept for the affine fit
@@ -226,7 +228,11 @@ def decide(
     step = max(times) if step_s is None else step_s
     if all(w == 1.0 for w in work):
         state.full_width_step_s = step  # nothing resized nor migrated: what doing nothing costs
-    slower = state.action == "migrate" and state.before_migration_s and step > state.before_migration_s * (1 + MIGRATION_MARGIN)
+    state.migration_windows = state.migration_windows + 1 if state.action == "migrate" else 0
+    # judged on the windows right after it started, against the full-width step just before:
+    # later, the machine's own drift would be read as the migration's fault
+    slower = (state.action == "migrate" and state.before_migration_s and state.migration_windows <= config.persist_windows
+              and step > state.before_migration_s * (1 + MIGRATION_MARGIN))
     state.slower_windows = state.slower_windows + 1 if slower else 0
     if config.mode == "semi" and slower and state.slower_windows >= config.persist_windows:  # one slow window may be the machine's
         state.migration_failed = (
