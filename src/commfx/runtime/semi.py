@@ -218,6 +218,7 @@ def decide(
     if ratio < 1 + config.threshold:
         state.migration_failed, state.before_migration_s = "", 0.0  # recovered: migration may be tried again
         if state.action != "keep":
+            state.windows = state.windows[-1:]  # the speeds changed: the fit starts from this window
             return made("restore", 1.0, f"the slowest rank is within {config.threshold:.0%} of the others: full width")
         return Decision(state.step, "keep", None, ratio, excess, move_bytes, move_s, 1.0, "no straggler")
     if config.mode == "off":
