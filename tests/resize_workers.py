@@ -325,3 +325,26 @@ def unit_suite(rank: int, world_size: int) -> dict:
     result["restored_at_end"] = resizer.unit_migration is None and resizer.fraction == 1.0
     result["restored_exact"] = _diff(reference, _unit_step(dm, ids, probe))
     return result
+
+
+def hf_unit_check(rank: int, world_size: int, spec: str = "hf:llama") -> dict:
+    """An HF model (gated MLP: gate and up column linears): its MLP units moved from the last
+    rank to rank 0, outputs and gradients against plain tensor parallelism, float64."""
+    model, (ids,) = load_model(spec, dtype=torch.float64)
+    plain = distribute(copy.deepcopy(model), Plan.from_cli("lift,tensor_parallel", world_size=world_size, tp=world_size), (ids,))
+    dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:mode=off", world_size=world_size, tp=world_size), (ids,))
+    resizer = dm.straggler.resizer
+
+    def step(module):
+        out = module(ids).logits
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        (out * probe).sum().backward()
+        result = out.detach(), _full_grads(module)
+        module.zero_grad(set_to_none=True)
+        return result
+
+    reference = step(plain)
+    resizer.move_units(world_size - 1, 0, {k: b.units - 1 for k, b in resizer.units.items()})
+    migrated = step(dm)
+    resizer.move_units(0, 0, {})
+    return {"blocks": sorted(resizer.units), "migrated": _diff(reference, migrated), "restored": _diff(reference, step(dm))}

@@ -316,3 +316,14 @@ def test_unit_migration_at_tp2():
 @pytest.mark.slow
 def test_unit_migration_at_tp4():
     _check_units(launch("resize_workers:unit_suite", 4, {}, timeout_s=300), 4)
+
+
+@pytest.mark.distributed
+def test_unit_migration_on_an_hf_gated_mlp():
+    """HF Llama: grouped-query attention has no unit function (its k/v have fewer heads), the
+    gated MLPs (gate and up, then down) do; moving all but one of the last rank's MLP units
+    to rank 0 is exact in float64, and moving them back is bit for bit."""
+    results = launch("resize_workers:hf_unit_check", 2, {"spec": "hf:llama"}, timeout_s=300)
+    for result in results:
+        assert result["blocks"] == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        assert result["migrated"] <= 1e-10 and result["restored"] == 0.0
