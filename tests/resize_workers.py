@@ -327,10 +327,22 @@ def unit_suite(rank: int, world_size: int) -> dict:
     return result
 
 
-def hf_unit_check(rank: int, world_size: int, spec: str = "hf:llama") -> dict:
-    """An HF model (gated MLP: gate and up column linears): its MLP units moved from the last
-    rank to rank 0, outputs and gradients against plain tensor parallelism, float64."""
-    model, (ids,) = load_model(spec, dtype=torch.float64)
+def hf_unit_check(rank: int, world_size: int, spec: str = "hf:llama", heads: int = 0, kv_heads: int = 0) -> dict:
+    """An HF model (grouped-query attention, gated MLP): its units moved from the last rank to
+    rank 0, outputs and gradients against plain tensor parallelism, float64. `heads` and
+    `kv_heads` override the family's tiny config (enough kv groups per rank to move one)."""
+    if heads:
+        from transformers import AutoModelForCausalLM
+
+        from commfx.models.hf import hf_config
+
+        config = hf_config(spec[3:])
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = heads, kv_heads, config.hidden_size // heads
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).double().train()
+        ids = torch.randint(0, config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0))
+    else:
+        model, (ids,) = load_model(spec, dtype=torch.float64)
     plain = distribute(copy.deepcopy(model), Plan.from_cli("lift,tensor_parallel", world_size=world_size, tp=world_size), (ids,))
     dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:mode=off", world_size=world_size, tp=world_size), (ids,))
     resizer = dm.straggler.resizer
@@ -347,4 +359,5 @@ def hf_unit_check(rank: int, world_size: int, spec: str = "hf:llama") -> dict:
     resizer.move_units(world_size - 1, 0, {k: b.units - 1 for k, b in resizer.units.items()})
     migrated = step(dm)
     resizer.move_units(0, 0, {})
-    return {"blocks": sorted(resizer.units), "migrated": _diff(reference, migrated), "restored": _diff(reference, step(dm))}
+    moved = {k: b.units - 1 for k, b in resizer.units.items() if b.units > 1}
+    return {"blocks": sorted(resizer.units), "moved": moved, "migrated": _diff(reference, migrated), "restored": _diff(reference, step(dm))}

@@ -319,11 +319,14 @@ def test_unit_migration_at_tp4():
 
 
 @pytest.mark.distributed
-def test_unit_migration_on_an_hf_gated_mlp():
-    """HF Llama: grouped-query attention has no unit function (its k/v have fewer heads), the
-    gated MLPs (gate and up, then down) do; moving all but one of the last rank's MLP units
-    to rank 0 is exact in float64, and moving them back is bit for bit."""
-    results = launch("resize_workers:hf_unit_check", 2, {"spec": "hf:llama"}, timeout_s=300)
+def test_unit_migration_on_hf_llama_grouped_query_attention_and_gated_mlp():
+    """HF Llama: grouped-query attention (a unit is a kv group: one k/v head and the q heads
+    that share it; rotary embeddings and the mask enter as outside inputs) and gated MLPs
+    (gate and up, then down): moving all but one of the last rank's units to rank 0 is exact
+    in float64, and moving them back is bit for bit."""
+    results = launch("resize_workers:hf_unit_check", 2, {"spec": "hf:llama", "heads": 8, "kv_heads": 4}, timeout_s=300)
     for result in results:
-        assert result["blocks"] == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        assert result["blocks"] == [f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.o_proj")]
+        # per rank: 2 kv groups of (2 q heads, 1 k/v head), 8 blocks of 2 MLP columns
+        assert result["moved"] == {f"model.layers.{i}.{m}.weight": n for i in (0, 1) for m, n in (("mlp.down_proj", 7), ("self_attn.o_proj", 1))}
         assert result["migrated"] <= 1e-10 and result["restored"] == 0.0

@@ -610,22 +610,26 @@ def _unit_size(per: int, heads: bool) -> int:
 
 
 def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes: "_Sizes") -> dict | None:
-    """The block computed for a few consecutive heads (or MLP columns) alone, as its own graph:
-    (count, the block's outside inputs..., each column linear's weight rows [and bias], the
-    row linear's weight columns) -> their row-parallel partial product (no bias), for any
-    `count` heads/columns whose weight slices are given (cut as the block's layouts, outer x
-    count x inner).
+    """The block computed for a few consecutive parts alone, as its own graph: (count, the
+    block's outside inputs..., each column linear's weight rows [and bias], the row linear's
+    weight columns) -> their row-parallel partial product (no bias), for any `count` parts
+    whose weight slices are given (cut as each weight's layout, outer x count x inner).
 
-    Planned with the same shard rules as the block for one part per head/column; the literal
-    sizes those rules make local become count x the per-head size, so one graph serves any
-    count. None where the rules cannot cut the block that finely (grouped-query attention,
-    whose k/v have fewer heads). `unit` is what resize_tp moves at a time: a head, or the
-    fewest columns that cut one rank's share into at most UNIT_BLOCKS blocks; a faster rank
-    computes a slower rank's units with it from the replicated input (runtime/resize.py)."""
-    units, inner = block.row_layout[1], block.row_layout[2]
-    per = units // tp
+    A part is the finest cut every linear of the block shares: a head, a kv group (the q
+    heads that share one k/v head under grouped-query attention), or one MLP column. Planned
+    with the same shard rules as the block, one part per rank; the literal sizes those rules
+    make local become count x the per-part size, so one graph serves any count. None where
+    the rules cannot cut the block that finely. `unit` (in parts) is what resize_tp moves at
+    a time: a head or kv group, or the fewest columns that cut one rank's share into at most
+    UNIT_BLOCKS blocks; `per_rank` is parts per rank. A faster rank computes a slower rank's
+    units with it from the replicated input (runtime/resize.py)."""
+    inner = block.row_layout[2]
+    # the finest cut every linear of the block shares: a head (a kv group under grouped-query
+    # attention, whose k/v have fewer heads than q), or one MLP column
+    parts = math.gcd(block.row_layout[1], *(layout[1] for layout in block.layouts.values()))
+    per = parts // tp
     try:
-        planned = _plan_block(graph, block.path, nodes, linears, units, sizes)
+        planned = _plan_block(graph, block.path, nodes, linears, parts, sizes)
     except (Unsupported, _NotABlock):
         return None
     new_args = {node: (args, kwargs) for node, args, kwargs in planned.rewrites}
@@ -651,7 +655,7 @@ def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes
         if isinstance(bias, fx.Node):
             env[bias] = sub.placeholder(f"bias_{i}")
         columns.append({"weight": column.args[1].target, "bias": bias.target if isinstance(bias, fx.Node) else None,
-                        "layout": [block.layouts[column][0], per, block.layouts[column][2]]})
+                        "layout": [block.layouts[column][0], block.layouts[column][1] // tp, block.layouts[column][2]]})
     env[block.row.args[1]] = sub.placeholder("row_weight")
 
     def scaled(old, new):
@@ -675,7 +679,7 @@ def _unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes
     sub.output(env[block.row])
     return {
         "graph": fx.GraphModule(torch.nn.Module(), sub), "externals": externals, "columns": columns,
-        "row": {"weight": block.row.args[1].target, "layout": [block.row_layout[0], per, block.row_layout[2]]},
+        "row": {"weight": block.row.args[1].target, "layout": [block.row_layout[0], block.row_layout[1] // tp, block.row_layout[2]]},
         "unit": _unit_size(per, heads=inner > 1), "per_rank": per,
     }
 

@@ -287,8 +287,8 @@ class UnitBlock:
     graph: fx.GraphModule
     kinds: str  # per outside input of the unit function: "t" a tensor, "s" a size
     tensors: list[tuple[str, int, list[int]]]
-    per_rank: int  # heads / columns per rank
-    unit: int  # heads / columns per unit
+    per_rank: int  # parts per rank (a part: a head, a kv group, an MLP column)
+    unit: int  # parts per unit
     slots: list[torch.nn.Parameter] = field(default_factory=list, repr=False)
     taken: int = 0  # units this rank computes for another (in its slots)
     stash: list = field(default_factory=list, repr=False)  # forward -> backward: the vjp of the taken units
@@ -299,10 +299,13 @@ class UnitBlock:
 
     def index(self, layout: list[int], first: int, count: int) -> torch.Tensor:
         """Indices, along a weight's dim, of units first..first+count-1 of this rank's shard, in
-        the order the unit function takes them (outer x heads/columns x inner)."""
+        the order the unit function takes them (outer x heads/columns x inner); a unit spans
+        per / units of this weight's heads (under grouped-query attention a q weight's unit
+        has more heads than a k/v weight's)."""
         outer, per, inner = layout
+        size = per // self.units
         grid = torch.arange(outer * per * inner).view(outer, per, inner)
-        return grid[:, first * self.unit : (first + count) * self.unit, :].reshape(-1)
+        return grid[:, first * size : (first + count) * size, :].reshape(-1)
 
 
 def units_forward(partial: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], key: str, group: str) -> torch.Tensor:
@@ -620,7 +623,7 @@ class Resizer:
                 else:
                     plan.skip_columns = index
                 outer, per, inner = layout
-                plan.cut = (outer, per, inner, per - count * block.unit) if giving else None
+                plan.cut = (outer, per, inner, per - count * (per // block.units)) if giving else None
                 plan.changed()
 
     def error(self) -> float:
