@@ -81,6 +81,8 @@ def test_lift_keeps_heads_that_cannot_be_split_and_says_why(model, reason):
     assert program.annotations["lm_heads"] == []
     (kept,) = program.annotations["kept_heads"]
     assert reason in kept
+    dumped = _program(model, "lift,split_embedding_comm", (ids, ids)).annotations["notes"]  # what commfx dump prints first
+    assert any("LM head stays dense" in note and reason in note for note in dumped), dumped
     with pytest.raises(PassError, match="head=shard: the graph has no LM head to split.*" + reason.split(" (")[0]):
         _program(model, "lift,split_embedding_comm:head=shard", (ids, ids))
 

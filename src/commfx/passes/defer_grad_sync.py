@@ -54,4 +54,9 @@ class DeferGradSync(Pass):
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         program.annotations["grad_sync"] = "next_forward" if options.enabled else "backward"
+        if options.enabled:
+            program.annotations.setdefault("notes", []).append(
+                f"{PASS}: the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is "
+                "called; each parameter is stepped just before its first use there"
+            )
         return False

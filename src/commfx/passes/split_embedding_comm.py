@@ -152,6 +152,8 @@ class SplitEmbeddingComm(Pass):
                 "logits feed only a cross_entropy loss computed in the model's forward (return the loss, not the "
                 f"logits). Found: {'; '.join(kept)}. Use head=auto or head=dense"
             )
+        notes = program.annotations.setdefault("notes", [])
+        notes.extend(f"{PASS}: a cross_entropy's LM head stays dense: {why}" for why in program.annotations.get("kept_heads") or [])
         parts = plan.topology.expert_parallel_size
         nodes = {n.name: n for n in program.graph.nodes}
         changed = False
