@@ -145,3 +145,24 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path, when):
     finally:
         for pid in ranks_of(tmp_path):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_signal_after_the_stop_does_not_kill_the_cli_while_it_reports(tmp_path):
+    """The race behind a rare CI failure (exit -2 instead of 130): the first Ctrl-C's clean-up
+    finished, the handlers were restored, and the second Ctrl-C killed the CLI before it printed
+    and returned. With exit_after_a_stop the handler stays and ignores it."""
+    script = (
+        "import os, signal\n"
+        "from commfx.runtime.launcher import Stopped, stop_on_signals\n"
+        "try:\n"
+        "    with stop_on_signals(exit_after_a_stop={keep}):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "except Stopped:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again, after the clean-up\n"
+        "    print('reported', flush=True)\n"
+        "    raise SystemExit(130)\n"
+    )
+    for keep, code in ((True, 130), (False, -signal.SIGINT)):
+        done = subprocess.run([sys.executable, "-c", script.format(keep=keep)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == code, (keep, done.returncode, done.stderr[-500:])
+        assert ("reported" in done.stdout) == keep

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..runtime.launcher import Stopped, stop_on_signals
 
     try:
-        with stop_on_signals():  # from the start: a signal while compiling, before any rank, ends cleanly too
+        with stop_on_signals(exit_after_a_stop=True):  # from the start: a signal while compiling, before any rank, ends cleanly too
             return _run_command(argv)
     except Stopped as stop:
         done = "every rank was stopped and the job directory removed" if stop.ranks_stopped else "no rank had started"

@@ -140,12 +140,14 @@ def _uninterrupted(ranks: int):
 
 
 @contextlib.contextmanager
-def stop_on_signals():
+def stop_on_signals(*, exit_after_a_stop: bool = False):
     """While this is open, SIGTERM/SIGINT/SIGHUP raise `Stopped` (so that ranks are killed and
     the job directory removed on the way out) instead of ending the process on the spot and
     orphaning its ranks. A signal the caller ignores stays ignored (`nohup` ignores SIGHUP, a
     shell's background job SIGINT). Only the main thread takes signals: elsewhere, and inside
-    an outer `stop_on_signals`, this changes nothing."""
+    an outer `stop_on_signals`, this changes nothing. `exit_after_a_stop`: the caller ends the
+    process after a `Stopped` (the CLI), so the handler stays and ignores a second signal
+    (Ctrl-C pressed twice) that would otherwise kill it while it reports the stop."""
     current = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     if threading.current_thread() is not threading.main_thread() or any(isinstance(h, _RaiseStopped) for h in current.values()):
         yield
@@ -155,8 +157,9 @@ def stop_on_signals():
     try:
         yield
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        if not (exit_after_a_stop and handler.stopping):
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
