@@ -68,3 +68,20 @@ def test_defer_grad_sync_under_torch_compile_is_a_plan_error():
 
     with pytest.raises(PlanError, match="defer_grad_sync needs commfx.distribute"):
         backend(Plan.from_cli("lift,expert_parallel,defer_grad_sync", world_size=2))
+
+
+def test_a_second_step_while_gradients_are_on_the_wire_says_to_synchronize():
+    """optimizer.step() twice with no forward or backward between, while a deferred gradient
+    is still in flight: the first step's missed update would be lost, so it is an error."""
+    from types import SimpleNamespace
+
+    from commfx.runtime.deferred_step import DeferredStep
+
+    param = torch.nn.Parameter(torch.zeros(3))
+    sync = SimpleNamespace(in_flight={0: object()}, slots=[SimpleNamespace(param=param)], pending=True)
+    deferred = DeferredStep(sync)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer.register_step_pre_hook(deferred._before_step)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) twice while a gradient was still on the wire; call synchronize\(\) between"):
+        optimizer.step()

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commfx.api import compile_program
 from commfx.compiler.render import render
 from commfx.models import NextTokenLoss
 from commfx.passes import check_plan
@@ -27,13 +26,10 @@ sys.path.insert(0, str(TESTS / "model_files"))
 sys.path.insert(0, str(TESTS))
 
 from embedding_lm import VOCAB, EmbeddingLM, build_loss  # noqa: E402
+from test_embedding_comm import _program  # noqa: E402
 from test_golden import check_golden  # noqa: E402
 
 commfx = torch.ops.commfx
-
-
-def _program(model, passes, inputs, world_size=2):
-    return compile_program(model, Plan.from_cli(passes, world_size=world_size), inputs)
 
 
 def test_lift_records_a_head_whose_logits_feed_only_the_loss():
