@@ -20,6 +20,7 @@ other work a CPU quota caps a rank without making it a known factor slower than 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pydoc_data.topics
 import shutil
@@ -34,7 +35,24 @@ from torch import nn
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-VOCAB, HIDDEN, HEADS, LAYERS, MLP, SEQ = 256, 256, 4, 2, 1024, 64
+VOCAB, LAYERS, SEQ = 256, 2, 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    hidden: int
+    heads: int
+    mlp: int
+
+
+SIZES = {  # model file entry point -> its size
+    # hidden 256: the tp linears are ~40% of a rank's step on this CPU; norms, attention
+    # scores, the LM head, the loss and the interpreter make up the rest
+    "dense_gpt": Size(256, 4, 1024),
+    # hidden 768 (GPT-2 small's width): the tp linears dominate a step, as in the large
+    # models tensor parallelism is for
+    "dense_gpt_wide": Size(768, 12, 3072),
+}
 TP = "lift,tensor_parallel"
 BENCH_PLANS = {  # label -> passes; "no straggler" is measured healthy, the others with rank 1 slow
     "no straggler": TP,
@@ -51,32 +69,34 @@ QUALITY_PLANS = {  # label -> (passes, slowed)
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, size: Size):
         super().__init__()
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
-        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.heads = size.heads
+        self.qkv = nn.Linear(size.hidden, 3 * size.hidden, bias=False)
+        self.proj = nn.Linear(size.hidden, size.hidden, bias=False)
 
     def forward(self, h):
         b, s, d = h.shape
-        q, k, v = self.qkv(h).view(b, s, 3, HEADS, d // HEADS).unbind(2)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).unbind(2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 
 
 class Mlp(nn.Module):
-    def __init__(self):
+    def __init__(self, size: Size):
         super().__init__()
-        self.up = nn.Linear(HIDDEN, MLP)
-        self.down = nn.Linear(MLP, HIDDEN)
+        self.up = nn.Linear(size.hidden, size.mlp)
+        self.down = nn.Linear(size.mlp, size.hidden)
 
     def forward(self, h):
         return self.down(F.gelu(self.up(h)))
 
 
 class Layer(nn.Module):
-    def __init__(self):
+    def __init__(self, size: Size):
         super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(HIDDEN), Attention(), nn.LayerNorm(HIDDEN), Mlp()
+        self.ln1, self.attn = nn.LayerNorm(size.hidden), Attention(size)
+        self.ln2, self.mlp = nn.LayerNorm(size.hidden), Mlp(size)
 
     def forward(self, h):
         h = h + self.attn(self.ln1(h))
@@ -86,11 +106,11 @@ class Layer(nn.Module):
 class DenseGPT(nn.Module):
     """byte ids [B, S] -> logits [B, S, 256]."""
 
-    def __init__(self):
+    def __init__(self, size: Size):
         super().__init__()
-        self.embed, self.pos = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
-        self.ln_f, self.lm_head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.embed, self.pos = nn.Embedding(VOCAB, size.hidden), nn.Embedding(SEQ, size.hidden)
+        self.layers = nn.ModuleList(Layer(size) for _ in range(LAYERS))
+        self.ln_f, self.lm_head = nn.LayerNorm(size.hidden), nn.Linear(size.hidden, VOCAB, bias=False)
 
     def forward(self, input_ids):
         h = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1], device=input_ids.device))
@@ -99,10 +119,15 @@ class DenseGPT(nn.Module):
         return self.lm_head(self.ln_f(h))
 
 
-def dense_gpt(batch: int = 8):
+def dense_gpt(batch: int = 8, size: Size = SIZES["dense_gpt"]):
     """The model and a batch of bytes of the corpus (the bench's model file entry point)."""
     torch.manual_seed(0)
-    return DenseGPT(), (corpus_batches(batch, SEQ, 1)[0],)
+    return DenseGPT(size), (corpus_batches(batch, SEQ, 1)[0],)
+
+
+def dense_gpt_wide(batch: int = 8):
+    """`dense_gpt` at hidden 768 (a model file entry point)."""
+    return dense_gpt(batch, SIZES["dense_gpt_wide"])
 
 
 def corpus_batches(batch: int, seq: int, steps: int) -> torch.Tensor:
@@ -120,7 +145,7 @@ def corpus_batches(batch: int, seq: int, steps: int) -> torch.Tensor:
 def bench_command(args, out: Path) -> list[str]:
     commfx = shutil.which("commfx", path=str(Path(sys.executable).parent)) or "commfx"
     (under_test, under_test_passes), *others = [(k, v) for k, v in BENCH_PLANS.items() if k != "no straggler"]
-    command = [commfx, "bench", f"{HERE.relative_to(ROOT)}:dense_gpt", "--tp", "2", "--nodes", "2", "--ranks-per-node", "1",
+    command = [commfx, "bench", f"{HERE.relative_to(ROOT)}:{args.model}", "--tp", "2", "--nodes", "2", "--ranks-per-node", "1",
                "--inter-node", args.link, "--passes", under_test_passes, "--vs", BENCH_PLANS["no straggler"],
                "--healthy", "baseline", "--slow-rank", "1:2", "--slow-method", "delay",
                "--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup), "--json", str(out)]
@@ -155,7 +180,7 @@ def step_times(args) -> dict:
 # ----------------------------------------------------------------------------- quality
 
 
-def quality_worker(rank: int, world_size: int, steps: int, batch: int) -> dict:
+def quality_worker(rank: int, world_size: int, steps: int, batch: int, model: str = "dense_gpt") -> dict:
     from commfx.api import distribute
     from commfx.bench.straggler import RankSlowdown, prepare
     from commfx.plan import Plan
@@ -163,8 +188,9 @@ def quality_worker(rank: int, world_size: int, steps: int, batch: int) -> dict:
     data = corpus_batches(batch, SEQ, steps)
     slowdown = RankSlowdown(prepare(1, 2.0, world_size, "delay"), rank)
     out = {}
+    model_name = model
     for label, (passes, slowed) in QUALITY_PLANS.items():
-        model, _ = dense_gpt(batch)
+        model, _ = dense_gpt(batch, SIZES[model_name])
         dm = distribute(model, Plan.from_cli(passes, world_size=world_size, tp=world_size), (data[0],))
         optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
         dm.attach_optimizer(optimizer)  # resize_tp: migrated units move their optimizer state with them
@@ -189,7 +215,7 @@ def quality(args) -> dict:
     sys.path.insert(0, str(HERE.parent))
     from commfx.runtime.launcher import launch
 
-    results = launch("straggler_tp:quality_worker", 2, {"steps": args.steps, "batch": args.batch}, timeout_s=6 * 3600)
+    results = launch("straggler_tp:quality_worker", 2, {"steps": args.steps, "batch": args.batch, "model": args.model}, timeout_s=6 * 3600)
     curves, straggler = results[0], results[1]  # the loss is the same on both tp ranks; rank 1 is the one resized
     tail = min(20, args.steps)
     base = sum(curves["no straggler"]["losses"][-tail:]) / tail
@@ -210,6 +236,7 @@ def main() -> None:
     parser.add_argument("--bench-warmup", type=int, default=12, help="rounds before measuring (the controller decides every 4 steps)")
     parser.add_argument("--link", default="none", help="the emulated inter-node link (default none: unshaped veth; "
                         "tp runs over a node's fast links in practice)")
+    parser.add_argument("--model", choices=sorted(SIZES), default="dense_gpt", help="the model's size (see SIZES)")
     parser.add_argument("--skip", choices=("bench", "quality"), default=None)
     parser.add_argument("--workdir", default="/tmp")
     parser.add_argument("--json", default=None)

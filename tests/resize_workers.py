@@ -40,7 +40,7 @@ def resize_suite(rank: int, world_size: int) -> dict:
     model, (ids,) = load_model(SPEC, dtype=torch.float64)
     probe = torch.randn((*ids.shape, model.lm_head.out_features), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     plain = distribute(copy.deepcopy(model), Plan.from_cli("lift,tensor_parallel", world_size=world_size, tp=world_size), (ids,))
-    dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:window=2", world_size=world_size, tp=world_size), (ids,))
+    dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:window=2;tolerance=inf", world_size=world_size, tp=world_size), (ids,))
     controller = dm.straggler
     resizer = controller.resizer
     # While the function is checked, every rank reports the same time per unit of work: no decision.
@@ -229,7 +229,7 @@ def unit_suite(rank: int, world_size: int) -> dict:
     model, ids = dense_tiny()
     probe = torch.randn((*ids.shape, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     plain = distribute(copy.deepcopy(model), Plan.from_cli("lift,tensor_parallel", world_size=world_size, tp=world_size), (ids,))
-    dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:window=2", world_size=world_size, tp=world_size), (ids,))
+    dm = distribute(model, Plan.from_cli("lift,tensor_parallel,resize_tp:window=2;tolerance=inf", world_size=world_size, tp=world_size), (ids,))
     controller, resizer = dm.straggler, dm.straggler.resizer
     controller.adjust = lambda step, seconds: 0.1 * controller.my_work()  # the same speed everywhere: no decision
     result = {"blocks": {k: (b.units, b.unit) for k, b in resizer.units.items()}, "mode": controller.config.migrate}
@@ -304,6 +304,8 @@ def unit_suite(rank: int, world_size: int) -> dict:
     resizer.move_units(0, 0, {})
     dm.load_state_dict(start)
 
+    result.update(_unit_resizing(dm, plain, ids, probe, reference, giver))
+
     # The controller on unit migration: rank `giver` 2.5x slower for 8 steps, then recovered;
     # noisy clocks per rank, the same decisions everywhere; units move at a step's start.
     noise = random.Random(1000 + rank)
@@ -322,8 +324,86 @@ def unit_suite(rank: int, world_size: int) -> dict:
     result["decisions"] = [d.line() for d in controller.decisions]
     result["actions"] = [d.action for d in controller.decisions]
     result["layouts"] = layouts
-    result["restored_at_end"] = resizer.unit_migration is None and resizer.fraction == 1.0
+    result["restored_at_end"] = resizer.unit_migration is None and resizer.fraction == 1.0 and resizer.unit_kept is None and not resizer.unit_order
     result["restored_exact"] = _diff(reference, _unit_step(dm, ids, probe))
+    return result
+
+
+def _unit_resizing(dm, plain, ids, probe, reference, giver) -> dict:
+    """Unit resizing on rank `giver`: it keeps half its units, those of largest weights moved
+    to the front of its shard. The same as plain tp with the dropped units' column rows
+    zeroed (in the permuted layout); their gradients are zero; no collective changes shape;
+    full width puts every unit back bit for bit; the layout survives state_dict; AdamW with
+    the shard permuted between steps (optimizer state moved along) equals AdamW without."""
+    resizer, result = dm.straggler.resizer, {}
+    me = resizer.tp_rank == giver
+    before = _params(dm)
+    scores = {key: [sum(float(resizer.params[name].detach().index_select(dim, block.index(layout, u, 1)).pow(2).sum())
+                        for name, dim, layout in block.tensors) for u in range(block.units)] for key, block in resizer.units.items()}
+    records_plain = _records(dm, ids, probe)
+    order = lambda key: resizer.unit_order.get(key, list(range(resizer.units[key].units)))  # noqa: E731
+    resizer.resize_units(0.5 if me else 1.0)
+    result["unit_kept"] = resizer.unit_kept
+    # the kept units are the largest: none dropped scores above one kept
+    result["kept_by_priority"] = all(
+        min(scores[key][u] for u in order(key)[:kept]) >= max(scores[key][u] for u in order(key)[kept:])
+        for key, kept in (resizer.unit_kept or {}).items())
+    result["reordered"] = sorted(resizer.unit_order)
+    result["unit_records_match"] = _records(dm, ids, probe) == records_plain
+    zeroed, plain_params = plain, _params(plain)  # plain tp, its weights set to the resized rank's, then put back
+    mask = {}
+    with torch.no_grad():
+        params = dict(zeroed.module.named_parameters())
+        for name, p in dm.module.named_parameters():
+            params[name].copy_(p)
+        for key, kept in (resizer.unit_kept or {}).items():
+            block = resizer.units[key]
+            for name, dim, layout in block.tensors:
+                index = block.index(layout, kept, block.units - kept)
+                mask[name] = (dim, index)
+                if dim == 0:  # column rows of the dropped units: their activations are zero
+                    params[name].index_fill_(0, index, 0.0)
+    out, grads = _unit_step(dm, ids, probe)
+    ref_out, ref_grads = _unit_step(zeroed, ids, probe)
+    result["dropped_grads_zero"] = True
+    for name, (dim, index) in mask.items():
+        result["dropped_grads_zero"] &= bool(grads[name].index_select(dim, index).abs().max() == 0)
+        ref_grads[name].index_fill_(dim, index, 0.0)
+    result["unit_resized"] = _diff((ref_out, ref_grads), (out, grads))
+    with torch.no_grad():
+        for name, p in zeroed.module.named_parameters():
+            p.copy_(plain_params[name])
+    result["unit_resized_changes_output"] = (out - reference[0]).abs().max().item()
+    result["unit_error"] = resizer.error()
+    saved = copy.deepcopy(dm.state_dict())
+    resizer.resize_units(1.0)
+    result["unit_restore_exact"] = all(torch.equal(before[n], p) for n, p in _params(dm).items()) and not resizer.unit_order
+    dm.load_state_dict(saved)
+    result["unit_load_diff"] = (dm(ids).detach() - out).abs().max().item()
+    result["unit_kept_after_load"] = resizer.unit_kept
+    resizer.resize_units(1.0)
+
+    # AdamW: the shard permuted (reversed units) after step 1, put back after step 3
+    start = copy.deepcopy(dm.state_dict())
+    runs = []
+    for permute in (False, True):
+        dm.load_state_dict(start)
+        optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-2, weight_decay=0.1)
+        dm.attach_optimizer(optimizer)
+        for step in range(4):
+            if permute and step == 1 and me:
+                for key, block in resizer.units.items():
+                    resizer._permute(key, block, list(reversed(range(block.units))))
+            if permute and step == 3:
+                resizer.resize_units(1.0)
+            out = dm(ids)
+            (out * probe).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        runs.append(_params(dm))
+    result["unit_permuted_training_diff"] = _max_diff(*runs)
+    resizer.optimizer = None
+    dm.load_state_dict(start)
     return result
 
 

@@ -110,6 +110,8 @@ def test_every_tp_linear_becomes_resizable_and_the_graph_keeps_its_collectives()
 
 
 def _decide(times, work, state, **config):
+    """The decision with lossless migration only unless a tolerance is given (the balance rule)."""
+    config.setdefault("tolerance", float("inf"))
     return decide(times, work, state, SemiConfig(**config), bytes_per_column_step=1e6, bandwidth=1e9)
 
 
@@ -160,11 +162,39 @@ def test_semi_migrates_what_it_can_and_resizes_the_rest_when_migration_alone_can
     assert "cannot balance" in semi.why and "keep 0.75" in semi.line()
     only = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(mode="migrate", max_migrate=0.5, migrate="columns"), migratable=0.4, **heavy)
     assert (only.action, only.fraction, only.keep) == ("migrate", 0.5, 1.0)  # mode=migrate never resizes
-    # unit migration never resizes on top: a 9x straggler needs 80% of its units moved, 75% go, nothing dropped
-    units = decide([0.10, 0.90], [1.0, 1.0], SemiState(persistent=3, last_straggler=1), SemiConfig(migrate="units"), 1e6, 1e9)
-    assert (units.action, units.fraction, units.keep) == ("migrate", 0.75, 1.0) and "lossless only" in units.why
-    enough = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(), migratable=1.0, **heavy)
+    # lossless only (tolerance inf): a 9x straggler needs 80% of its units moved, 75% go, nothing dropped
+    units = decide([0.10, 0.90], [1.0, 1.0], SemiState(persistent=3, last_straggler=1), SemiConfig(tolerance=float("inf")), 1e6, 1e9)
+    assert (units.action, units.fraction, units.keep) == ("migrate", 0.75, 1.0) and "cannot balance" in units.why
+    # tolerance 0.1: the others take what fits in 1.1 x their 0.1 s (10%), the straggler
+    # keeps (0.11 - 0) / (0.9 x 0.9) = 14% of the rest, held at min_fraction
+    budget = decide([0.10, 0.90], [1.0, 1.0], SemiState(persistent=3, last_straggler=1), SemiConfig(tolerance=0.1), 1e6, 1e9)
+    assert (budget.action, budget.keep) == ("migrate", 0.25) and budget.fraction == pytest.approx(0.1)
+    # ... unless 10% is under one unit of any block (rounding moves nothing): it resizes
+    rounded = decide([0.10, 0.90], [1.0, 1.0], SemiState(persistent=3, last_straggler=1), SemiConfig(tolerance=0.1), 1e6, 1e9, unit_share=0.125)
+    assert (rounded.action, rounded.fraction) == ("resize", 0.25)
+    enough = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(tolerance=float("inf")), migratable=1.0, **heavy)
     assert enough.action == "migrate" and enough.fraction == pytest.approx(1 / 3) and enough.keep == 1.0
+
+
+def test_semi_with_units_migrates_what_the_others_absorb_within_the_tolerance_and_resizes_the_rest():
+    """Rank 1 at half speed: 0.02 s fixed + 0.2 s per shard, rank 0 0.01 + 0.1. Balanced by
+    migration alone both would take 0.11 + 0.1 m = 0.22 - 0.2 m, m = 0.367: 0.147 s, 1.33x
+    rank 0's 0.11 s. With tolerance 0.1 (target 0.121 s) rank 0 takes m = 0.011 / 0.1 = 11%
+    and rank 1 keeps k of the rest: 0.02 + 0.2 (1 - 0.11) k = 0.121, k = 0.567. Tolerance
+    0.4 admits the balanced step: lossless. Where nothing fits (tolerance 0), it resizes."""
+    state = SemiState(persistent=3, last_straggler=1)
+    state.windows = [[[0.11, 0.22], [1.0, 1.0]], [[0.06, 0.12], [0.5, 0.5]]]
+    d = decide([0.11, 0.22], [1.0, 1.0], state, SemiConfig(max_migrate=0.9, tolerance=0.1), 0.0, 1e9)
+    assert d.action == "migrate" and d.fraction == pytest.approx(0.11) and d.keep == pytest.approx(0.101 / (0.2 * 0.89))
+    assert "over (1 + tolerance 0.1)" in d.why and "keeps 57% of the rest" in d.why
+    state = SemiState(persistent=3, last_straggler=1)
+    state.windows = [[[0.11, 0.22], [1.0, 1.0]], [[0.06, 0.12], [0.5, 0.5]]]
+    lossless = decide([0.11, 0.22], [1.0, 1.0], state, SemiConfig(max_migrate=0.9, tolerance=0.4), 0.0, 1e9)
+    assert lossless.action == "migrate" and lossless.keep == 1.0 and lossless.fraction == pytest.approx(0.11 / 0.3)
+    state = SemiState(persistent=3, last_straggler=1)
+    state.windows = [[[0.11, 0.22], [1.0, 1.0]], [[0.06, 0.12], [0.5, 0.5]]]
+    none = decide([0.11, 0.22], [1.0, 1.0], state, SemiConfig(max_migrate=0.9, tolerance=0.0), 0.0, 1e9)
+    assert none.action == "resize" and none.fraction == pytest.approx(0.09 / 0.2)
 
 
 def test_semi_undoes_a_migration_measured_slower_than_doing_nothing():
@@ -298,6 +328,17 @@ def _check_units(results, world_size):
         assert result["layout_after_load"] == result["layout_saved"]  # which units are where survives state_dict
         assert result["load_diff"] == 0.0 and result["load_vs_reference"] <= 1e-10
         assert result["restored_at_end"] and result["restored_exact"] <= 1e-10
+        # unit resizing (the last rank keeps half its units)
+        assert result["unit_records_match"]  # every collective keeps its shape
+        assert result["unit_resized"] <= 1e-10 and result["dropped_grads_zero"]  # == zeroed units; imputed zero
+        assert result["unit_restore_exact"] and result["unit_load_diff"] == 0.0
+        assert result["unit_kept_after_load"] == result["unit_kept"]
+        assert result["unit_permuted_training_diff"] <= 1e-10
+    last = results[-1]
+    assert last["reordered"]  # some block's largest units were not its first: the shard was permuted
+    assert last["kept_by_priority"] and last["unit_kept"] == {k: units // 2 for k, (units, _) in last["blocks"].items()}
+    assert last["unit_resized_changes_output"] > 1e-3 and 0.0 < last["unit_error"] < 1.0
+    assert all(r["unit_kept"] is None for r in results[:-1])
     # only the taker holds units; the same decisions and layouts on every rank
     assert any(size[0] for size in results[0]["slot_sizes"]) and not any(s[0] * s[-1] for r in results[1:] for s in r["slot_sizes"])
     assert all(r["decisions"] == results[0]["decisions"] and r["layouts"] == results[0]["layouts"] for r in results)

@@ -55,6 +55,7 @@ class ResizeTP(Pass):
         heavy_ratio: float = 1.5  # SEMI: slowdown from which persistent slowness is worth migrating
         persist_windows: int = 2  # SEMI: windows in a row that make slowness persistent
         migrate: str = "auto"  # units: whole heads / MLP column blocks, moved once; columns: row-parallel columns sent every step; auto: units where dp = pp = 1
+        tolerance: float = 0.05  # SEMI with units: where lossless migration leaves a step over (1 + tolerance) x the others', resize the rest (inf: lossless only)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -72,6 +73,8 @@ class ResizeTP(Pass):
                 f"resize_tp needs window >= 1, persist_windows >= 1, threshold > 0 and heavy_ratio >= 1; got window={options.window}, "
                 f"persist_windows={options.persist_windows}, threshold={options.threshold}, heavy_ratio={options.heavy_ratio}"
             )
+        if not options.tolerance >= 0.0:
+            raise PlanError(f"resize_tp tolerance={options.tolerance} must be >= 0 (the step SEMI aims at over the others'; inf: lossless only)")
         if plan.topology.tp < 2:
             raise PlanError("resize_tp balances the ranks of a tensor-parallel group: use --tp 2 or more")
         if options.migrate not in MIGRATIONS:

@@ -84,6 +84,7 @@ class LinearPlan:
     skip_rows: tuple[int, ...] = ()  # unit migration, giver: output rows (a column linear's) another rank computes
     skip_columns: tuple[int, ...] = ()  # unit migration, giver: contraction columns (a row linear's) another rank computes
     cut: tuple[int, int, int, int] | None = None  # ... the same as (outer, heads/columns, inner, kept): the first kept of each outer part
+    dropped: int = 0  # unit resizing: heads/columns per outer part after the kept ones that nobody computes (imputed zero)
     out_width: int = 0  # output rows of the weight
     _index: torch.Tensor | None = field(default=None, repr=False)
     _rows: torch.Tensor | None = field(default=None, repr=False)
@@ -178,19 +179,17 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h
         grad_x = grad.matmul(w_rows)
         part = g2.t().matmul(x2)
     else:  # dropped (or given away) columns: imputed zero
-        grad_x = x.new_zeros(x.shape)
-        grad_x[..., index] = grad.matmul(w_rows.index_select(1, index))
+        grad_x = x.new_zeros(x.shape).index_copy_(-1, index, grad.matmul(w_rows.index_select(1, index)))
         part = g2.t().matmul(x2.index_select(1, index))
     if rows is None and index is None:
         grad_w = part
+    elif rows is None:
+        grad_w = weight.new_zeros(weight.shape).index_copy_(1, index, part)
+    elif index is None:
+        grad_w = weight.new_zeros(weight.shape).index_copy_(0, rows, part)
     else:
         grad_w = weight.new_zeros(weight.shape)
-        if rows is None:
-            grad_w[:, index] = part
-        elif index is None:
-            grad_w.index_copy_(0, rows, part)
-        else:
-            grad_w[rows.unsqueeze(1), index.unsqueeze(0)] = part
+        grad_w.index_copy_(0, rows, weight.new_zeros((rows.numel(), weight.shape[1])).index_copy_(1, index, part))
     if plan.given():
         columns = torch.tensor(plan.migration.columns, dtype=torch.long)
         gx_m, gw_m = _recv(scheduler, group, plan.migration.taker, x.new_empty((*x.shape[:-1], len(columns))), weight.new_empty((out, len(columns))))
@@ -239,7 +238,20 @@ def _cut_forward(plan: LinearPlan, x, weight, bias):
     else:
         part = F.linear(x2, _kept(weight, 0, plan), None if bias is None else _kept(bias.unsqueeze(1), 0, plan).squeeze(1))
         y2 = _put(x2.new_zeros((x2.shape[0], out)), 1, plan, part)
+        if plan.dropped:
+            plan.error = _dropped_units_error(plan, x2, weight)
     return y2.view(*x.shape[:-1], out)
+
+
+def _dropped_units_error(plan: LinearPlan, x2, weight) -> float:
+    """Unit resizing: |X W_D^T| / |X W_C^T| on the first few rows, D the dropped units' rows
+    and C those this rank is responsible for (kept and dropped, not given away): the share of
+    the block's activations that resizing left out."""
+    outer, per, inner, kept = plan.cut
+    with torch.no_grad():
+        full = (x2[: plan.sample_rows] @ weight.t()).unflatten(1, (outer, per, inner))
+        dropped = full.narrow(2, kept, plan.dropped).norm()
+        return float(dropped / full.narrow(2, 0, kept + plan.dropped).norm().clamp_min(1e-30))
 
 
 def _cut_backward(plan: LinearPlan, grad, x, weight, has_bias):
@@ -306,6 +318,14 @@ class UnitBlock:
         size = per // self.units
         grid = torch.arange(outer * per * inner).view(outer, per, inner)
         return grid[:, first * size : (first + count) * size, :].reshape(-1)
+
+    def order_index(self, layout: list[int], order: list[int]) -> torch.Tensor:
+        """Indices, along a weight's dim, that put the units of this rank's shard in `order`
+        (position i takes unit order[i]) within each outer part (q, k, v of a fused weight)."""
+        outer, per, inner = layout
+        size = per // self.units
+        parts = torch.tensor([u * size + j for u in order for j in range(size)], dtype=torch.long)
+        return torch.arange(outer * per * inner).view(outer, per, inner)[:, parts, :].reshape(-1)
 
 
 def units_forward(partial: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], key: str, group: str) -> torch.Tensor:
@@ -388,16 +408,18 @@ def _recv(scheduler: CommScheduler, group: str, peer: int, *buffers: torch.Tenso
 
 
 def _dropped_error(plan: LinearPlan, x, weight, bias, y) -> float:
-    """|X_D W_D^T| / |X W^T| on the first few rows: what resizing left out of this output."""
-    dropped = sorted(set(range(plan.width)) - set(plan.kept))
-    if not dropped:
-        return 0.0
+    """|X_D W_D^T| / |X W^T| on the first few rows: what resizing left out of this output
+    (the full product of those rows less the kept one: no gather of the dropped columns)."""
     with torch.no_grad():
         rows = x.reshape(-1, plan.width)[: plan.sample_rows]
-        index = torch.tensor(dropped, dtype=torch.long)
-        missing = rows.index_select(1, index) @ weight.index_select(1, index).t()
-        full = y.reshape(-1, weight.shape[0])[: plan.sample_rows] - (bias if bias is not None else 0) + missing
-        return float(missing.norm() / full.norm().clamp_min(1e-30))
+        full = rows @ weight.t()
+        kept = y.reshape(-1, weight.shape[0])[: rows.shape[0]] - (bias if bias is not None else 0)
+        if plan.given():  # columns another rank computes are not dropped
+            columns = torch.tensor(plan.migration.columns, dtype=torch.long)
+            kept = kept + rows.index_select(1, columns) @ weight.index_select(1, columns).t()
+        if plan.row_index() is not None:  # ... nor the rows of units it computes
+            full, kept = full.index_select(1, plan.row_index()), kept.index_select(1, plan.row_index())
+        return float((full - kept).norm() / full.norm().clamp_min(1e-30))
 
 
 # ----------------------------------------------------------------------------- the plans
@@ -439,6 +461,14 @@ class Resizer:
         self.unit_migration: dict | None = None  # {"giver", "taker", "counts": {block: units}} in force
         self.pending: dict | None = None  # ... requested, moved at the next step's start
         self.moved_bytes = 0  # bytes the last move sent (weights and optimizer state)
+        # Unit resizing (ZERO-resizing by whole units, where blocks have units): this rank
+        # computes only the first `unit_kept[block]` units of its shard; the units are ordered
+        # by priority first (the shard permuted between steps, see `_order_units`).
+        self.unit_kept: dict[str, int] | None = None
+        self.unit_fraction = 1.0  # the kept fraction asked for (of the units not given away)
+        self.pending_fraction: float | None = None  # ... requested, applied at the next step's start
+        self.unit_snapshots: dict[str, list[torch.Tensor]] = {}  # each block's weights at the last selection
+        self.unit_order: dict[str, list[int]] = {}  # per block, the unit at each position of the shard (absent: in order)
         self.slots = UnitSlots()
         for key, block in self.units.items():
             op_state[units_key(key)] = block
@@ -494,6 +524,8 @@ class Resizer:
         self.migrate(0, 0, 0.0)
         if self.unit_migration is not None or self.pending is not None:
             self.request_units(0, 0, {})
+        if self.unit_kept is not None or self.pending_fraction is not None or self.unit_order:
+            self.request_unit_resize(1.0)  # ... and the units back in their own order
 
     # -- unit migration ---------------------------------------------------------------
 
@@ -519,10 +551,105 @@ class Resizer:
     def apply_pending(self) -> int:
         """Move what `request_units` asked for (collective: every rank of the tp group calls it
         at the same point, between steps). Returns the bytes moved."""
-        if self.pending is None:
-            return 0
-        pending, self.pending = self.pending, None
-        return self.move_units(pending["giver"], pending["taker"], pending["counts"])
+        moved = 0
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            moved = self.move_units(pending["giver"], pending["taker"], pending["counts"])
+            if self.unit_kept is not None and self.pending_fraction is None:
+                self.pending_fraction = self.unit_fraction  # other units given away: choose the kept ones anew
+        if self.pending_fraction is not None:
+            fraction, self.pending_fraction = self.pending_fraction, None
+            self.resize_units(fraction)
+        return moved
+
+    # -- unit resizing ------------------------------------------------------------------
+
+    def request_unit_resize(self, fraction: float) -> None:
+        """Ask for this rank to keep `fraction` of its units (those not given away; 1.0: all),
+        applied by the next `apply_pending`, between steps: choosing the units reorders the
+        shard, which must not happen between a backward and its optimizer step."""
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"a resize fraction must be in (0, 1] (the share of units a rank keeps), got {fraction}")
+        self.pending_fraction = fraction
+
+    def given_units(self, key: str) -> int:
+        migration = self.unit_migration
+        return migration["counts"].get(key, 0) if migration and migration["giver"] == self.tp_rank else 0
+
+    def resize_units(self, fraction: float) -> None:
+        """Keep `fraction` of each block's units that this rank computes itself (ZERO-resizing
+        by whole heads and MLP column blocks): the units whose weights changed most since the
+        last selection (the largest at the first) are moved to the front of the shard, and the
+        linears compute on views of them, so no step gathers anything. Local: permuting units
+        within a shard changes no other rank's work (the row-parallel sum runs over them)."""
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"a resize fraction must be in (0, 1] (the share of units a rank keeps), got {fraction}")
+        self.unit_fraction = fraction
+        if fraction >= 1.0:  # every unit computed again, back in their own order where not given away
+            self.unit_kept = None
+            self.unit_snapshots = {}
+            for key, block in self.units.items():
+                current, available = self.unit_order.get(key, list(range(block.units))), block.units - self.given_units(key)
+                self._permute(key, block, sorted(range(available), key=lambda p: current[p]) + list(range(available, block.units)))
+        else:
+            self.unit_kept = {}
+            for key, block in self.units.items():
+                available = block.units - self.given_units(key)
+                keep = min(available, max(1, math.ceil(fraction * available - 1e-9)))
+                self._order_units(key, block, available, keep)
+                self.unit_kept[key] = keep
+        self._set_unit_plans()
+
+    def _order_units(self, key: str, block: UnitBlock, available: int, keep: int) -> None:
+        """Put the `keep` units (of the first `available`) whose weights changed most since the
+        last selection first, in their current order, by permuting the shard's weights, their
+        gradients and their optimizer state along the unit axis; then snapshot the weights."""
+        tensors = [self.params[name] for name, _dim, _layout in block.tensors]
+        snapshot = self.unit_snapshots.get(key)
+        scores = []
+        for u in range(available):
+            score = 0.0
+            for i, (param, (_name, dim, layout)) in enumerate(zip(tensors, block.tensors)):
+                index = block.index(layout, u, 1)
+                change = param.detach().index_select(dim, index)
+                if snapshot is not None:
+                    change = change - snapshot[i].index_select(dim, index)
+                score += float(change.double().pow(2).sum())
+            scores.append(score)
+        ranked = sorted(range(available), key=lambda u: (-scores[u], u))
+        kept = sorted(ranked[:keep])
+        self._permute(key, block, kept + [u for u in range(available) if u not in kept] + list(range(available, block.units)))
+        self.unit_snapshots[key] = [param.detach().clone() for param in tensors]
+
+    def _permute(self, key: str, block: UnitBlock, order: list[int]) -> None:
+        """Reorder the units of this rank's shard of `block`: position i takes the unit at
+        position order[i], in every weight of the block, its gradient and its optimizer state
+        (exact copies; the block computes the same function, its row-parallel sum in another
+        order). `unit_order` remembers where each unit is, so full width puts them back."""
+        if order == list(range(block.units)):
+            return
+        for name, dim, layout in block.tensors:
+            param = self.params[name]
+            index = block.order_index(layout, order)
+            state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+            for tensor in [param.data, param.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))]:
+                if tensor is not None and tensor.shape == param.shape:
+                    tensor.copy_(tensor.index_select(dim, index))
+        current = self.unit_order.get(key, list(range(block.units)))
+        self.unit_order[key] = [current[p] for p in order]
+        if self.unit_order[key] == list(range(block.units)):
+            del self.unit_order[key]
+
+    def kept_share(self) -> float:
+        """The share of this rank's tp multiply-adds it computes itself (1: all of them)."""
+        if self.unit_kept is None:
+            return self.fraction
+        total = sum(w.numel() for w, _ in self.linears.values())
+        dropped = 0.0
+        for key, block in self.units.items():
+            size = sum(self.params[name].numel() for name, dim, _ in block.tensors if name in self.linears)
+            dropped += size * (block.units - self.given_units(key) - self.unit_kept.get(key, block.units)) / block.units
+        return 1.0 - dropped / total if total else 1.0
 
     def move_units(self, giver: int, taker: int, counts: dict[str, int]) -> int:
         """Have the taker compute the giver's last `counts[block]` units of each block, from now
@@ -610,25 +737,31 @@ class Resizer:
         migration = self.unit_migration
         for key, block in self.units.items():
             count = migration["counts"].get(key, 0) if migration else 0
-            giving = migration is not None and migration["giver"] == self.tp_rank and count > 0
             block.taken = count if migration is not None and migration["taker"] == self.tp_rank else 0
+            given = self.given_units(key)
+            dropped = 0 if self.unit_kept is None else max(0, block.units - given - self.unit_kept[key])
+            skipped = given + dropped  # the last units: given away, and before them those resizing drops
             block.stash.clear()
             for name, dim, layout in block.tensors:
                 if name not in self.linears:
                     continue  # a bias: skipped with its weight's rows
                 plan = self.plan(name)
-                index = tuple(block.index(layout, block.units - count, count).tolist()) if giving else ()
+                index = tuple(block.index(layout, block.units - skipped, skipped).tolist()) if skipped else ()
                 if dim == 0:
                     plan.skip_rows = index
                 else:
                     plan.skip_columns = index
                 outer, per, inner = layout
-                plan.cut = (outer, per, inner, per - count * (per // block.units)) if giving else None
+                size = per // block.units
+                plan.cut = (outer, per, inner, per - skipped * size) if skipped else None
+                plan.dropped = dropped * size
+                if not dropped:
+                    plan.error = 0.0
                 plan.changed()
 
     def error(self) -> float:
         """Largest relative error a resized linear made in the last forward (0 when none is)."""
-        return max((self.plan(key).error for key in self.linears if self.plan(key).kept is not None), default=0.0)
+        return max((self.plan(key).error for key in self.linears if self.plan(key).kept is not None or self.plan(key).dropped), default=0.0)
 
     def migration_bytes(self, element_size: int) -> int:
         """Bytes the current migration moves per step (forward: X_M and W_M; backward: their gradients)."""
@@ -647,6 +780,11 @@ class Resizer:
             "snapshots": {key: t.clone() for key, t in self.snapshots.items()},
             "unit_migration": self.unit_migration,
             "pending": self.pending,
+            "unit_kept": self.unit_kept,
+            "unit_fraction": self.unit_fraction,
+            "pending_fraction": self.pending_fraction,
+            "unit_snapshots": {key: [t.clone() for t in ts] for key, ts in self.unit_snapshots.items()},
+            "unit_order": {key: list(order) for key, order in self.unit_order.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -660,6 +798,11 @@ class Resizer:
         # Which units are where: the slots and shards themselves are parameters, loaded with
         # the module's state_dict (UnitSlots takes the saved sizes); nothing moves here.
         self.unit_migration, self.pending = state.get("unit_migration"), state.get("pending")
+        # the units' order is in the (loaded) parameters; which of them are kept is here
+        self.unit_kept, self.unit_fraction = state.get("unit_kept"), state.get("unit_fraction", 1.0)
+        self.pending_fraction = state.get("pending_fraction")
+        self.unit_snapshots = {key: [t.clone() for t in ts] for key, ts in state.get("unit_snapshots", {}).items()}
+        self.unit_order = {key: list(order) for key, order in state.get("unit_order", {}).items()}
         self._set_unit_plans()
 
 

@@ -65,6 +65,7 @@ class SemiConfig:
     heavy_ratio: float = 1.5
     persist_windows: int = 2
     migrate: str = "units"  # units | columns (what a migration moves; see resize.py)
+    tolerance: float = 0.05  # unit SEMI: the step it aims at, over the others' (inf: lossless only)
 
 
 @dataclass
@@ -178,14 +179,15 @@ def full_width_times(times: list[float], work: list[float], state: "SemiState", 
 
 def decide(
     times: list[float], work: list[float], state: SemiState, config: SemiConfig, bytes_per_column_step: float, bandwidth: float,
-    migratable: float = 1.0, step_s: float | None = None,
+    migratable: float = 1.0, step_s: float | None = None, unit_share: float = 0.0,
 ) -> Decision:
     """The decision for one window (pure: the same inputs give the same decision on every rank).
 
     `times`/`work`: each rank's mean compute seconds and work share over the window;
     `bytes_per_column_step`: bytes migration moves per step per fraction of a shard moved;
     `migratable`: the share of a rank's tp work that migration can move (its row-parallel linears);
-    `step_s`: the window's step wall time (default: the slowest rank's compute time).
+    `step_s`: the window's step wall time (default: the slowest rank's compute time);
+    `unit_share`: unit migration moves no unit of any block below this fraction (rounding).
     """
     speed, fits = full_width_times(times, work, state, units=config.migrate == "units")
     straggler = max(range(len(speed)), key=lambda r: (speed[r], -r))
@@ -246,6 +248,9 @@ def decide(
         if state.action != "migrate":
             state.before_migration_s = state.full_width_step_s or max(speed)
         why = f"heavy (ratio >= {config.heavy_ratio}) and persistent ({state.persistent + 1} windows), and moving costs less than the excess"
+        if config.migrate == "units":
+            return _units_decision(made, why, config, migrate_fraction, needed, statistics.median(others), per_shard_others, fits[straggler],
+                                   unit_share)
         if keep_after < 1.0 and needed > migrate_fraction and config.migrate != "units":
             why += f"; migrating {migrate_fraction:.0%} of its row-parallel columns cannot balance the ranks, so it keeps {keep_after:.0%} too"
             return made("migrate", migrate_fraction, why, keep_after)
@@ -257,6 +262,31 @@ def decide(
         "light" if not heavy else "transient" if not persistent else state.migration_failed or "moving would cost more than the excess"
     )
     return made("resize", keep_fraction, f"{why}: keep {keep_fraction:.0%} of its columns")
+
+
+def _units_decision(made, why: str, config: SemiConfig, migrate_fraction: float, needed: float, others_s: float,
+                    per_shard_others: float, straggler_fit: tuple[float, float], unit_share: float = 0.0) -> Decision:
+    """Heavy, persistent slowness under unit migration. Migration is lossless but bounded: a
+    rank at half speed balanced with a healthy one leaves both at 4/3 of a healthy step, and
+    the healthy rank pays for it. Where the balanced step would be over (1 + tolerance) x the
+    others' time T, the others take only what fits in that budget, m = tolerance T / b_o, and
+    the straggler keeps k of the rest, a_s + b_s (1 - m) k = (1 + tolerance) T (resizing by
+    units, lossy, never below min_fraction): less is dropped than by resizing alone."""
+    target = (1 + config.tolerance) * others_s
+    balanced = others_s + per_shard_others * migrate_fraction
+    if balanced <= target * (1 + 1e-9) and needed <= migrate_fraction:
+        return made("migrate", migrate_fraction, why)
+    fixed, per_shard = straggler_fit
+    moved = min(config.max_migrate, migrate_fraction, max(0.0, (target - others_s) / max(per_shard_others, 1e-12)))
+    moved = moved if moved >= unit_share else 0.0  # less than one unit of any block: nothing would move
+    keep = min(1.0, max(config.min_fraction, (target - fixed) / max(per_shard * (1 - moved), 1e-12)))
+    if keep >= 1.0:
+        return made("migrate", moved, why + f"; {migrate_fraction:.0%} of its units cannot balance the ranks (needs {needed:.0%})")
+    budget = (f"balanced by migration alone a step would take {balanced * 1e3:.1f} ms, over (1 + tolerance {config.tolerance:g}) x the others' "
+              f"{others_s * 1e3:.1f} ms: the others take {moved:.0%} of its units and it keeps {keep:.0%} of the rest")
+    if moved <= 0.0:
+        return made("resize", keep, f"{why}; {budget}")
+    return made("migrate", moved, f"{why}; {budget}", keep)
 
 
 class SemiController:
@@ -282,6 +312,8 @@ class SemiController:
         self.adjust = None
         self.units = config.migrate == "units" and bool(resizer.units)  # unit migration (else columns)
         self.migratable = 1.0 if self.units else migratable_share(resizer)
+        # unit_counts rounds per block: below this fraction no block moves a unit
+        self.unit_share = 0.5 / max(block.units for block in resizer.units.values()) if self.units else 0.0
         self.enabled = True  # False: steps are not timed nor decided on (a bench's compute-only steps, where collectives are local)
         self._start: tuple[float, float] | None = None
 
@@ -300,9 +332,10 @@ class SemiController:
         share = self.resizer.fraction
         migration = self.resizer.migration
         units = self.resizer.unit_migration
-        if units:
-            moved = self.resizer.moved_share(units["counts"])
-            return share * (1 - moved) if me == units["giver"] else share + moved if me == units["taker"] else share
+        if self.units:  # dropped units and given ones are disjoint shares of the shard
+            share = self.resizer.kept_share()
+            moved = self.resizer.moved_share(units["counts"]) if units else 0.0
+            return share - moved if units and me == units["giver"] else share + moved if units and me == units["taker"] else share
         if migration:
             moved = self.migratable * migration["fraction"]
             share = share * (1 - moved) if me == migration["giver"] else share + moved if me == migration["taker"] else share
@@ -331,7 +364,8 @@ class SemiController:
         window_times = [statistics.median(step[r] for step in window) for r in range(len(times))]
         mean_work = [statistics.fmean(step[r] for step in shares) for r in range(len(times))]
         step_s = statistics.median(self.state.step_walls[-self.config.window :])
-        decision = decide(window_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable, step_s)
+        decision = decide(window_times, mean_work, self.state, self.config, self._bytes_per_fraction(), self.bandwidth, self.migratable, step_s,
+                          self.unit_share)
         self.apply(decision)
         self.decisions.append(decision)
         if self.log and decision.action != "keep" and self.resizer.tp_rank == 0:
@@ -356,9 +390,15 @@ class SemiController:
             self.resizer.migrate(0, 0, 0.0)
             if self.resizer.unit_migration is not None:
                 self.resizer.request_units(0, 0, {})
-            self.resizer.resize(decision.fraction if me == decision.straggler else 1.0)
+            if self.units:  # whole units: the straggler computes on views of the ones it keeps
+                self.resizer.request_unit_resize(decision.fraction if me == decision.straggler else 1.0)
+            else:
+                self.resizer.resize(decision.fraction if me == decision.straggler else 1.0)
         elif decision.action == "migrate":
-            self.resizer.resize(decision.keep if me == decision.straggler else 1.0)
+            if self.units:
+                self.resizer.request_unit_resize(decision.keep if me == decision.straggler else 1.0)
+            else:
+                self.resizer.resize(decision.keep if me == decision.straggler else 1.0)
             times = self.state.samples[-1]
             taker = min((r for r in range(len(times)) if r != decision.straggler), key=lambda r: (times[r], r))
             if self.units:
