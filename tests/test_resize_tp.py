@@ -87,7 +87,12 @@ def test_resize_and_migration_fractions_out_of_range_are_clear_errors():
         resizer.migrate(1, 1, 0.5)
     resizer.resize(0.5)
     assert len(resizer.plan("w").kept) == 3
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"resize fraction must be in \(0, 1\] \(the share of units"):
+            resizer.request_unit_resize(bad)
     model, inputs = load_model("gpt-moe-tiny")
+    with pytest.raises(PlanError, match=r"tolerance=-0.1 must be >= 0"):
+        compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:tolerance=-0.1", world_size=2, tp=2), inputs)
     with pytest.raises(PlanError, match=r"min_fraction=1.5 is out of range.*\(0, 1\]"):
         compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:min_fraction=1.5", world_size=2, tp=2), inputs)
     with pytest.raises(PlanError, match="mode must be one of semi, resize, migrate, off"):
@@ -171,7 +176,7 @@ def test_semi_migrates_what_it_can_and_resizes_the_rest_when_migration_alone_can
     assert (budget.action, budget.keep) == ("migrate", 0.25) and budget.fraction == pytest.approx(0.1)
     # ... unless 10% is under one unit of any block (rounding moves nothing): it resizes
     rounded = decide([0.10, 0.90], [1.0, 1.0], SemiState(persistent=3, last_straggler=1), SemiConfig(tolerance=0.1), 1e6, 1e9, unit_share=0.125)
-    assert (rounded.action, rounded.fraction) == ("resize", 0.25)
+    assert (rounded.action, rounded.fraction) == ("resize", 0.25) and "10% would be under one unit" in rounded.why
     enough = decide(state=SemiState(persistent=3, last_straggler=1), config=SemiConfig(tolerance=float("inf")), migratable=1.0, **heavy)
     assert enough.action == "migrate" and enough.fraction == pytest.approx(1 / 3) and enough.keep == 1.0
 

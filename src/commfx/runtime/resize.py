@@ -10,6 +10,17 @@ linear):
   collective, keeps its shape. S is chosen by priority: the columns whose weights changed
   most since the last selection (the largest at the first). Lossy; the relative error of
   the dropped part is measured on a few rows of every forward (`LinearPlan.error`).
+- **Unit resizing** (ZERO-resizing where blocks have units, as unit migration does): a slow
+  rank computes only the first k units of its shard (heads, blocks of MLP columns) on views
+  of their weights and activations, and nobody computes the rest: their rows of a column
+  linear are zeros, their columns of the row linear are skipped, their gradients imputed
+  zero, so no step gathers anything and no collective changes shape. The units kept are those
+  whose weights changed most since the last selection (the largest at the first): the shard
+  is permuted between steps to put them first (weights, gradients and optimizer state;
+  permuting units within a shard leaves the block's function unchanged), and put back in
+  order at full width (`Resizer.resize_units`). Column resizing gathers X[..., S] and W[:, S]
+  every forward and scatters both gradients every backward, which on this CPU cost about
+  what the dropped columns saved (benchmarks/RESULTS.md, issue 14).
 - **Unit migration** (what SEMI and `mode=migrate` use by default, `resize_tp:migrate=units`):
   a slow rank (giver) hands whole units of a block -- attention heads, or blocks of MLP
   intermediate columns: a unit's column-parallel weight rows (and bias) together with the

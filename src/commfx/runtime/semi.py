@@ -14,7 +14,8 @@ straggler from looking cured, and the kept fraction solves a + b f = the others'
 rather than 1/ratio, which would resize ever harder while the fixed part stays. A rank
 slower than the median of the others by `threshold` is a straggler:
 
-- light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy);
+- light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy; by
+  whole units where the blocks have them, see resize.py);
 - heavy (>= `heavy_ratio`) and persistent (`persist_windows` windows in a row), and moving
   costs less link time per step than the straggler's excess compute: **migrate** the share
   that balances the two ranks (lossless), m = (T_s - T_o) / (b_s + b_o) from the fits (the
@@ -24,11 +25,12 @@ slower than the median of the others by `threshold` is a straggler:
   `Resizer.apply_pending`), so nothing moves per step; with column migration
   (`migrate=columns`) only row-parallel columns can move, so where `max_migrate` of them
   cannot balance the ranks, SEMI migrates that much and resizes the straggler for the rest
-  (most of the gap closed losslessly, the remainder by resizing). Under unit migration SEMI
-  does not resize on top of it: measured in run 3 (benchmarks/RESULTS.md), a straggler both
-  resized and giving units away was slower than one only giving units away (resizing's
-  index copies cost about what its dropped columns save there), and the migration stays
-  exact;
+  (most of the gap closed losslessly, the remainder by resizing). Under unit migration,
+  balancing is lossless but bounded (a half-speed rank balanced with a healthy one leaves
+  both at 4/3 of a healthy step, and the healthy rank does the extra work), so SEMI aims at
+  a step of (1 + `tolerance`) x the others': the others take only the units that fit in that
+  budget and the straggler keeps the share of the rest that meets it, resizing by whole units
+  (`_units_decision`; `tolerance=inf`: lossless only, as before run 4);
 - a migration after which a step takes longer than a step at full width did before it
   (measured in each of the `persist_windows` windows right after it starts: one slow window
   may be the machine's, and later windows would blame it for the machine's drift) is
@@ -261,7 +263,8 @@ def decide(
     why = "mode=resize" if config.mode == "resize" else (
         "light" if not heavy else "transient" if not persistent else state.migration_failed or "moving would cost more than the excess"
     )
-    return made("resize", keep_fraction, f"{why}: keep {keep_fraction:.0%} of its columns")
+    what = "units" if config.migrate == "units" else "columns"  # what resizing drops (resize.py)
+    return made("resize", keep_fraction, f"{why}: keep {keep_fraction:.0%} of its {what}")
 
 
 def _units_decision(made, why: str, config: SemiConfig, migrate_fraction: float, needed: float, others_s: float,
@@ -277,13 +280,15 @@ def _units_decision(made, why: str, config: SemiConfig, migrate_fraction: float,
     if balanced <= target * (1 + 1e-9) and needed <= migrate_fraction:
         return made("migrate", migrate_fraction, why)
     fixed, per_shard = straggler_fit
-    moved = min(config.max_migrate, migrate_fraction, max(0.0, (target - others_s) / max(per_shard_others, 1e-12)))
-    moved = moved if moved >= unit_share else 0.0  # less than one unit of any block: nothing would move
+    moved = moved_budget = min(config.max_migrate, migrate_fraction, max(0.0, (target - others_s) / max(per_shard_others, 1e-12)))
+    rounded_away = 0.0 < moved < unit_share  # less than one unit of any block: nothing would move
+    moved = 0.0 if rounded_away else moved
     keep = min(1.0, max(config.min_fraction, (target - fixed) / max(per_shard * (1 - moved), 1e-12)))
     if keep >= 1.0:
         return made("migrate", moved, why + f"; {migrate_fraction:.0%} of its units cannot balance the ranks (needs {needed:.0%})")
     budget = (f"balanced by migration alone a step would take {balanced * 1e3:.1f} ms, over (1 + tolerance {config.tolerance:g}) x the others' "
-              f"{others_s * 1e3:.1f} ms: the others take {moved:.0%} of its units and it keeps {keep:.0%} of the rest")
+              f"{others_s * 1e3:.1f} ms: the others take {moved:.0%} of its units and it keeps {keep:.0%} of the rest"
+              + (f" ({moved_budget:.0%} would be under one unit of any block)" if rounded_away else ""))
     if moved <= 0.0:
         return made("resize", keep, f"{why}; {budget}")
     return made("migrate", moved, f"{why}; {budget}", keep)
