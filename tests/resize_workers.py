@@ -225,6 +225,21 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
+def _adamw_twice(dm, ids, probe, start: dict, steps: int, before_step) -> tuple[dict, torch.optim.Optimizer]:
+    """`steps` AdamW steps (weight decay on) from `start`, `before_step(step)` called before
+    each forward; the parameters after, and the optimizer (attached to the module)."""
+    dm.load_state_dict(start)
+    optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-2, weight_decay=0.1)
+    dm.attach_optimizer(optimizer)
+    for step in range(steps):
+        before_step(step)
+        out = dm(ids)
+        (out * probe).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return _params(dm), optimizer
+
+
 def unit_suite(rank: int, world_size: int) -> dict:
     model, ids = dense_tiny()
     probe = torch.randn((*ids.shape, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -261,26 +276,11 @@ def unit_suite(rank: int, world_size: int) -> dict:
     # AdamW (weight decay on): 5 steps without migration, and with units moved after step 1
     # (optimizer state moves with them), moved differently after step 2, moved back after step 4.
     start = copy.deepcopy(dm.state_dict())
-    runs = []
-    for migrate in (False, True):
-        dm.load_state_dict(start)
-        optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-2, weight_decay=0.1)
-        dm.attach_optimizer(optimizer)
-        for step in range(5):
-            if migrate and step == 1:
-                resizer.move_units(giver, taker, counts)
-            if migrate and step == 2:
-                resizer.move_units(giver, taker, {k: 1 for k in counts})
-            if migrate and step == 4:
-                resizer.move_units(0, 0, {})
-            out = dm(ids)
-            (out * probe).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        runs.append(_params(dm))
-        if migrate:
-            result["slot_state_after_undo"] = sum(1 for p in resizer.slots.parameters() if p in optimizer.state)
-    result["training_diff"] = _max_diff(*runs)
+    moves = {1: (giver, taker, counts), 2: (giver, taker, {k: 1 for k in counts}), 4: (0, 0, {})}
+    plain_run, _ = _adamw_twice(dm, ids, probe, start, 5, lambda step: None)
+    migrated_run, optimizer = _adamw_twice(dm, ids, probe, start, 5, lambda step: step in moves and resizer.move_units(*moves[step]))
+    result["slot_state_after_undo"] = sum(1 for p in resizer.slots.parameters() if p in optimizer.state)
+    result["training_diff"] = _max_diff(plain_run, migrated_run)
     # an optimizer over the inner module's parameters would never train the slots: refused
     dm.attach_optimizer(torch.optim.AdamW(dm.module.parameters(), lr=1e-2))
     try:
@@ -385,23 +385,16 @@ def _unit_resizing(dm, plain, ids, probe, reference, giver) -> dict:
 
     # AdamW: the shard permuted (reversed units) after step 1, put back after step 3
     start = copy.deepcopy(dm.state_dict())
-    runs = []
-    for permute in (False, True):
-        dm.load_state_dict(start)
-        optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-2, weight_decay=0.1)
-        dm.attach_optimizer(optimizer)
-        for step in range(4):
-            if permute and step == 1 and me:
-                for key, block in resizer.units.items():
-                    resizer._permute(key, block, list(reversed(range(block.units))))
-            if permute and step == 3:
-                resizer.resize_units(1.0)
-            out = dm(ids)
-            (out * probe).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        runs.append(_params(dm))
-    result["unit_permuted_training_diff"] = _max_diff(*runs)
+
+    def permute(step):
+        if step == 1 and me:
+            for key, block in resizer.units.items():
+                resizer._permute(key, block, list(reversed(range(block.units))))
+        if step == 3:
+            resizer.resize_units(1.0)
+
+    plain_run, _ = _adamw_twice(dm, ids, probe, start, 4, lambda step: None)
+    result["unit_permuted_training_diff"] = _max_diff(plain_run, _adamw_twice(dm, ids, probe, start, 4, permute)[0])
     resizer.optimizer = None
     dm.load_state_dict(start)
     return result
