@@ -107,6 +107,9 @@ def test_every_tp_linear_becomes_resizable_and_the_graph_keeps_its_collectives()
     linears = program.annotations["tp_resize"]["linears"]
     assert linears == {"layers.0.attn.qkv.weight": {"kind": "column"}, "layers.0.attn.proj.weight": {"kind": "row"}}
     assert sum(1 for n in program.graph.nodes if n.target is commfx.tp_linear.default) == 2
+    # what `commfx dump` prints about it: what moves, and the options SEMI decides with
+    [note] = [n for n in program.annotations["notes"] if n.startswith("resize_tp:")]
+    assert "whole units of 1 block(s) (layers.0.attn)" in note and "tolerance 0.05" in note and "min_fraction=0.25" in note
     lowered = lower(program, inputs)
     assert sum(1 for n in lowered.backward.graph.nodes if n.target is commfx.tp_linear_backward.default) == 2
     # the same tp collectives as plain tensor parallelism: widths never reach the graph

@@ -110,8 +110,21 @@ class ResizeTP(Pass):
         program.annotations["tp_resize"] = {
             "linears": linears, "options": {**dataclasses.asdict(options), "migrate": migrate}, "units": units,
         }
+        program.annotations.setdefault("notes", []).append(_note(options, migrate, len(linears), units))
         program.gm.recompile()
         return True
+
+
+def _note(options: ResizeTP.Options, migrate: str, linears: int, units: dict) -> str:
+    """What `commfx dump` says the controller will do, with its options."""
+    what = (f"whole units of {len(units)} block(s) ({', '.join(sorted(u['path'] for u in units.values()))}): heads / MLP column "
+            "blocks, resized on views and migrated once per decision" if migrate == "units" and units
+            else "contraction columns (resized by gather, row-parallel columns migrated every step)")
+    semi = (f"SEMI aims at (1 + tolerance {options.tolerance:g}) x the others' step, migrating what fits and resizing the rest"
+            if migrate == "units" else "SEMI migrates heavy persistent slowness and resizes what migration cannot balance")
+    return (f"{PASS}: {linears} tp linears; a rank {options.threshold:.0%} slower than the others over {options.window} steps is a "
+            f"straggler (mode={options.mode}); it moves {what}; {semi}; it keeps at least min_fraction={options.min_fraction:g} "
+            f"and gives at most max_migrate={options.max_migrate:g}")
 
 
 def _insert_units(program: Program, blocks: list[dict], nodes: dict) -> dict:
