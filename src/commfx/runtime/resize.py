@@ -325,12 +325,9 @@ class UnitBlock:
         the order the unit function takes them (outer x heads/columns x inner); a unit spans
         per / units of this weight's heads (under grouped-query attention a q weight's unit
         has more heads than a k/v weight's)."""
-        outer, per, inner = layout
-        size = per // self.units
-        grid = torch.arange(outer * per * inner).view(outer, per, inner)
-        return grid[:, first * size : (first + count) * size, :].reshape(-1)
+        return self.order_index(layout, range(first, first + count))
 
-    def order_index(self, layout: list[int], order: list[int]) -> torch.Tensor:
+    def order_index(self, layout: list[int], order) -> torch.Tensor:
         """Indices, along a weight's dim, that put the units of this rank's shard in `order`
         (position i takes unit order[i]) within each outer part (q, k, v of a fused weight)."""
         outer, per, inner = layout
@@ -443,6 +440,11 @@ def priority_columns(weight: torch.Tensor, snapshot: torch.Tensor | None, keep: 
     score = change.detach().double().norm(dim=0)
     order = sorted(range(score.numel()), key=lambda j: (-float(score[j]), j))
     return sorted(order[:keep])
+
+
+def _check_unit_fraction(fraction: float) -> None:
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"a resize fraction must be in (0, 1] (the share of units a rank keeps), got {fraction}")
 
 
 class Resizer:
@@ -579,8 +581,7 @@ class Resizer:
         """Ask for this rank to keep `fraction` of its units (those not given away; 1.0: all),
         applied by the next `apply_pending`, between steps: choosing the units reorders the
         shard, which must not happen between a backward and its optimizer step."""
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"a resize fraction must be in (0, 1] (the share of units a rank keeps), got {fraction}")
+        _check_unit_fraction(fraction)
         self.pending_fraction = fraction
 
     def given_units(self, key: str) -> int:
@@ -593,8 +594,7 @@ class Resizer:
         last selection (the largest at the first) are moved to the front of the shard, and the
         linears compute on views of them, so no step gathers anything. Local: permuting units
         within a shard changes no other rank's work (the row-parallel sum runs over them)."""
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"a resize fraction must be in (0, 1] (the share of units a rank keeps), got {fraction}")
+        _check_unit_fraction(fraction)
         self.unit_fraction = fraction
         if fraction >= 1.0:  # every unit computed again, back in their own order where not given away
             self.unit_kept = None
@@ -655,12 +655,8 @@ class Resizer:
         """The share of this rank's tp multiply-adds it computes itself (1: all of them)."""
         if self.unit_kept is None:
             return self.fraction
-        total = sum(w.numel() for w, _ in self.linears.values())
-        dropped = 0.0
-        for key, block in self.units.items():
-            size = sum(self.params[name].numel() for name, dim, _ in block.tensors if name in self.linears)
-            dropped += size * (block.units - self.given_units(key) - self.unit_kept.get(key, block.units)) / block.units
-        return 1.0 - dropped / total if total else 1.0
+        dropped = {key: block.units - self.given_units(key) - self.unit_kept.get(key, block.units) for key, block in self.units.items()}
+        return 1.0 - self.moved_share(dropped)
 
     def move_units(self, giver: int, taker: int, counts: dict[str, int]) -> int:
         """Have the taker compute the giver's last `counts[block]` units of each block, from now
