@@ -60,6 +60,9 @@ def test_numeric_arguments_are_validated(capsys, argv, message):
         (["verify", "hf:gpt_oss", "--world-size", "2"], "GptOssExperts"),
         # A plan error.
         (["run", "gpt-moe-tiny", "--world-size", "2", "--passes", "lift,warp"], "unknown pass 'warp'"),
+        # Only the last rank's share (1 of 3 sequences) is too small: the preflight compiles the smallest share.
+        (["verify", "gpt-moe", "--world-size", "2", "--batch", "3", "--passes", "lift,expert_parallel,microbatch_overlap"],
+         "this rank's batch is 1 sequence"),
     ],
 )
 def test_errors_every_rank_would_hit_are_printed_once_before_launch(capsys, no_launch, argv, message):

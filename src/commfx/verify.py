@@ -118,13 +118,16 @@ def local_batch(inputs, world_size: int, rank: int):
 
 
 def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
-    """Compile rank 0's share of the batch here, in one process: what would fail on every
-    rank (the plan, a capture error, a graph break, an unsupported model) fails once, before
-    any rank is spawned, with the message and no traceback."""
+    """Compile the smallest share of the batch here, in one process: what would fail on every
+    rank (the plan, a capture error, a graph break, an unsupported model), or on the rank with
+    the fewest sequences (too few to cut into micro-batches), fails once, before any rank is
+    spawned, with the message and no traceback."""
     from .compiler.pipeline import compile_program
 
     plan.validate()  # the topology first: the batch is cut by it
-    compile_program(model, plan, local_batch(global_inputs, *data_share(plan, 0)))
+    smallest = local_batch(global_inputs, *data_share(plan, plan.topology.world_size - 1))
+    rows = next(iter(smallest.values() if isinstance(smallest, dict) else smallest)).shape[0]
+    compile_program(model, plan, smallest if rows else local_batch(global_inputs, *data_share(plan, 0)))
 
 
 def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:

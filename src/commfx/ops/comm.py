@@ -54,16 +54,17 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 
 
 @torch.library.custom_op("commfx::exchange_counts", mutates_args=())
-def exchange_counts(counts: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
-    """counts [E] (rows for every expert) -> [P, E/P]: what each rank of `group` sends my experts."""
+def exchange_counts(counts: torch.Tensor, group: str, group_size: int, priority: str = "a2a") -> torch.Tensor:
+    """counts [E] (rows for every expert) -> [P, E/P]: what each rank of `group` sends my experts.
+    `priority`: the lane (microbatch_overlap puts counts ahead of the other micro-batch's rows)."""
     send = counts.reshape(group_size, -1).contiguous()
     ones = [1] * group_size
-    received = current_scheduler().all_to_all(send, ones, ones, group)
+    received = current_scheduler().all_to_all(send, ones, ones, group, priority)
     return received.reshape(group_size, -1)
 
 
 @exchange_counts.register_fake
-def _(counts, group, group_size):
+def _(counts, group, group_size, priority="a2a"):
     return counts.new_empty((group_size, counts.shape[0] // group_size))
 
 

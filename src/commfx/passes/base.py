@@ -116,7 +116,7 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
     return plan
 
 
-def _written(spec: PassSpec) -> str:
+def written(spec: PassSpec) -> str:
     """A pass spec as written on the command line."""
     return spec.name + (":" + ";".join(f"{k}={v}" for k, v in spec.options.items()) if spec.options else "")
 
@@ -130,7 +130,7 @@ def _options_joined(specs: tuple[PassSpec, ...]) -> str:
             fixed[-1] = PassSpec(fixed[-1].name, {**fixed[-1].options, key.strip(): value.strip()})
         else:
             fixed.append(spec)
-    return ",".join(map(_written, fixed))
+    return ",".join(map(written, fixed))
 
 
 def _in_order(specs: tuple[PassSpec, ...]) -> str:
@@ -141,7 +141,7 @@ def _in_order(specs: tuple[PassSpec, ...]) -> str:
         for name in _with_prerequisites(get_pass(spec.name).requires_passes) + [spec.name]:
             if name not in ordered:
                 ordered.append(name)
-    return ",".join(_written(by_name.get(name, PassSpec(name))) for name in ordered)
+    return ",".join(written(by_name.get(name, PassSpec(name))) for name in ordered)
 
 
 def _with_prerequisites(names: tuple[str, ...]) -> list[str]:
@@ -234,8 +234,9 @@ def verify_graph(program: Program, plan: Plan) -> None:
             group = node.args[3] if node.target is torch.ops.commfx.all_to_all.default else node.args[1]
             if group not in known_groups:
                 raise PassError(f"node {node.name} uses process group {group!r}, which the plan does not define")
-            is_a2a = node.target is torch.ops.commfx.all_to_all.default
-            priority = node.args[4] if is_a2a and len(node.args) > 4 else node.kwargs.get("priority", DEFAULT_CLASS)
+            priority_at = {torch.ops.commfx.all_to_all.default: 4, torch.ops.commfx.exchange_counts.default: 3}.get(node.target)
+            has_arg = priority_at is not None and len(node.args) > priority_at
+            priority = node.args[priority_at] if has_arg else node.kwargs.get("priority", DEFAULT_CLASS)
             if priority not in PRIORITY_CLASSES:
                 raise PassError(f"node {node.name} uses priority class {priority!r}, which is not registered")
     verify_waits(graph)
