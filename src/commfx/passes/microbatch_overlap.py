@@ -263,7 +263,8 @@ def _copy(new: fx.Graph, node: fx.Node, lookup, i: int, n: int) -> fx.Node:
     args, kwargs = fx.map_arg(node.args, lookup), fx.map_arg(node.kwargs, lookup)
     if _is_a2a(node):
         x, send, recv, group, *rest = args
-        priority, tag = (list(rest) + ["a2a", ""][len(rest):])[:2]
+        priority = rest[0] if rest else "a2a"
+        tag = rest[1] if len(rest) > 1 else ""
         args = (x, send, recv, group, priority, f"{tag} mb {i + 1}/{n}".strip())
     elif node.op == "call_function" and node.target is commfx.exchange_counts.default:
         args = (*args[:3], CONTROL_CLASS)

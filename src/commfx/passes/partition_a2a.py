@@ -30,7 +30,7 @@ import torch.fx as fx
 from .cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
 from ..plan import Plan, PlanError
 from ..compiler.program import Program, stamp
-from .base import Pass, PassError, register
+from .base import Pass, PassError, plan_options, register
 from .pack_experts import build_exchange
 
 commfx = torch.ops.commfx
@@ -102,8 +102,10 @@ class PartitionA2A(Pass):
         down = program.gm.get_parameter(block["down"])
         gate_up = program.gm.get_parameter(block["gate_up"])
         hidden, expert_hidden = down.shape[1], down.shape[2]
+        # microbatch_overlap (later in the plan) runs each region once per micro-batch
+        micro = plan_options(plan, "microbatch_overlap").n if "microbatch_overlap" in plan.pass_names() else 1
         region = MoERegion(
-            tokens=tokens,
+            tokens=max(1, tokens // micro),
             hidden=hidden,
             expert_hidden=expert_hidden,
             top_k=block["top_k"],
