@@ -26,6 +26,7 @@ Its check reads shapes; `commfx verify` proves a model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import re
 
@@ -100,13 +101,15 @@ class MicrobatchOverlap(Pass):
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         graph = program.graph
         batched = _batched_inputs(graph, program.input_names)
-        depends = _batch_dependent(graph, batched)
-        _check_separable(graph, depends, batched)
-        program.gm.graph = _interleave(graph, batched, depends, options.n)
+        symbol = _batch_symbol(_value(batched[0]))
+        depends = _batch_dependent(graph, batched, symbol)
+        _check_separable(graph, depends, symbol)
+        phase = _phases(graph)
+        program.gm.graph = _interleave(graph, batched, depends, phase, options.n)
         program.gm.recompile()
         program.annotations.setdefault("notes", []).append(
             f"{PASS}: {options.n} micro-batches per rank, interleaved by all-to-all phase "
-            f"({_phase_count(graph)} phases); count exchanges on the {CONTROL_CLASS!r} lane"
+            f"({max(phase.values(), default=0) + 1} phases); count exchanges on the {CONTROL_CLASS!r} lane"
         )
         return True
 
@@ -156,10 +159,9 @@ def _input_name(graph: fx.Graph, node: fx.Node, names: list[str]) -> str:
     return re.sub(r"^l_((kw)?args_)?|_$", "", node.name)  # the torch.compile door: dynamo's own names
 
 
-def _batch_dependent(graph: fx.Graph, batched: list[fx.Node]) -> set[fx.Node]:
+def _batch_dependent(graph: fx.Graph, batched: list[fx.Node], symbol) -> set[fx.Node]:
     """Nodes computed from the batched inputs; a size that is not the batch's (the sequence
     length of `input_ids`) is not, and stays shared."""
-    symbol = _batch_symbol(_value(batched[0]))
     depends = set(batched)
     for node in graph.nodes:
         if node.op == "output" or not any(i in depends for i in node.all_input_nodes):
@@ -179,10 +181,9 @@ def _has_symbol(value, symbol) -> bool:
     return False
 
 
-def _check_separable(graph: fx.Graph, depends: set[fx.Node], batched: list[fx.Node]) -> None:
+def _check_separable(graph: fx.Graph, depends: set[fx.Node], symbol) -> None:
     """Reject what a micro-batch cannot compute alone: a tensor whose shape loses the batch
     symbol (a reduction over it) and outputs without the batch as their first dimension."""
-    symbol = _batch_symbol(_value(batched[0]))
     for node in graph.nodes:
         value = _value(node)
         if node not in depends or node.op == "placeholder" or not isinstance(value, (torch.Tensor, tuple, list)):
@@ -212,12 +213,7 @@ def _phases(graph: fx.Graph) -> dict[fx.Node, int]:
     return phase
 
 
-def _phase_count(graph: fx.Graph) -> int:
-    return max(_phases(graph).values(), default=0) + 1
-
-
-def _interleave(graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], n: int) -> fx.Graph:
-    phase = _phases(graph)
+def _interleave(graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], phase: dict[fx.Node, int], n: int) -> fx.Graph:
     body = [node for node in graph.nodes if node.op not in ("placeholder", "output")]
     position = {node: i for i, node in enumerate(graph.nodes)}
     # shared nodes of a phase first, then each micro-batch's nodes of that phase, in graph order
@@ -234,8 +230,8 @@ def _interleave(graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], 
         for i in range(n):
             micro[i][node] = stamp(new.call_function(operator.getitem, (split, i)), PASS, f"micro-batch {i + 1}/{n}")
 
-    for p in sorted({phase[node] for node in order}):
-        in_phase = [node for node in order if phase[node] == p]
+    for _, nodes in itertools.groupby(order, key=phase.__getitem__):
+        in_phase = list(nodes)
         for node in in_phase:
             if node not in depends:
                 shared[node] = new.node_copy(node, lambda x: shared[x])
