@@ -169,3 +169,36 @@ def test_a_second_signal_after_the_stop_does_not_kill_the_cli_while_it_reports(t
         )
         assert done.returncode == code, (keep, done.returncode, done.stderr[-500:])
         assert ("reported" in done.stdout) == keep
+
+
+def test_a_second_signal_during_the_interpreter_shutdown_does_not_kill_the_cli(tmp_path):
+    """The same CI failure's other window: after main() returns 130, Python's shutdown resets
+    every Python-level signal handler to the default action before it tears down modules
+    (torch's take a while), so a second Ctrl-C then killed the process (-2). After a stop the
+    handlers become SIG_IGN, which the shutdown leaves alone. A module global's finaliser
+    marks the moment the handlers are gone; the signal is sent then."""
+    marker = tmp_path / "tearing-down"
+    script = (
+        "import signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from commfx.runtime.launcher import Stopped, stop_on_signals\n"
+        "class SlowTeardown:\n"
+        "    def __del__(self):\n"
+        f"        Path({str(marker)!r}).write_text('now')\n"
+        "        time.sleep(3)\n"
+        "keep = SlowTeardown()\n"
+        "try:\n"
+        "    with stop_on_signals(exit_after_a_stop=True):\n"
+        "        signal.raise_signal(signal.SIGINT)\n"
+        "except Stopped as stop:\n"
+        "    sys.exit(128 + stop.signum)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    try:
+        assert wait_until(marker.exists, 60), "the child never reached its shutdown"
+        child.send_signal(signal.SIGINT)
+        assert child.wait(timeout=60) == 128 + signal.SIGINT
+    finally:
+        child.kill()

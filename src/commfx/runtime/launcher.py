@@ -146,8 +146,9 @@ def stop_on_signals(*, exit_after_a_stop: bool = False):
     orphaning its ranks. A signal the caller ignores stays ignored (`nohup` ignores SIGHUP, a
     shell's background job SIGINT). Only the main thread takes signals: elsewhere, and inside
     an outer `stop_on_signals`, this changes nothing. `exit_after_a_stop`: the caller ends the
-    process after a `Stopped` (the CLI), so the handler stays and ignores a second signal
-    (Ctrl-C pressed twice) that would otherwise kill it while it reports the stop."""
+    process after a `Stopped` (the CLI), so a second signal (Ctrl-C pressed twice) is ignored
+    from then on: it would otherwise kill the process while it reports the stop, or during
+    the interpreter's shutdown, which resets Python-level handlers to the default action."""
     current = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     if threading.current_thread() is not threading.main_thread() or any(isinstance(h, _RaiseStopped) for h in current.values()):
         yield
@@ -157,9 +158,8 @@ def stop_on_signals(*, exit_after_a_stop: bool = False):
     try:
         yield
     finally:
-        if not (exit_after_a_stop and handler.stopping):
-            for s, h in previous.items():
-                signal.signal(s, h)
+        for s, h in previous.items():
+            signal.signal(s, signal.SIG_IGN if exit_after_a_stop and handler.stopping else h)
 
 
 def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
