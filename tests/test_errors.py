@@ -210,3 +210,27 @@ def test_a_hung_rank_is_named_first_with_its_stack(worker, waited_in):
     stack, waited = message.split("--- rank 1, stopped by the launcher, was at ---")[1].split("--- rank 0, which waited ---")
     assert f"in {worker}" in stack
     assert waited_in in waited and "Original traceback" not in waited
+
+
+def test_the_stack_shown_for_a_stopped_rank_is_its_main_threads_last_one(tmp_path):
+    """SIGUSR1 lands on any thread of a rank; faulthandler calls that one "Current thread".
+    The report shows the main thread's frames from the last dump, whichever thread took it."""
+    from commfx.runtime.launcher import _last_stack
+
+    def dump(main_frame: str) -> str:
+        return (
+            'Current thread 0x00007f0000000001 (most recent call first):\n'
+            '  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", line 10 in all_to_all\n'
+            '  File "/src/commfx/runtime/priority.py", line 111 in _loop\n'
+            '  File "/usr/lib/python3.11/threading.py", line 982 in run\n\n'
+            'Thread 0x00007f0000000002 (most recent call first):\n'
+            f'  File "/tests/dist_workers.py", line {main_frame}\n'
+            '  File "/src/commfx/runtime/worker.py", line 83 in main\n'
+            '  File "/src/commfx/runtime/worker.py", line 98 in <module>\n'
+            '  File "<frozen runpy>", line 88 in _run_code\n\n'
+        )
+
+    (tmp_path / "log_1.txt").write_text("starting\n" + dump("300 in compile_graph") + "more output\n" + dump("318 in hangs_between_steps") + "gloo: bye\n")
+    stack = _last_stack(tmp_path, 1)
+    assert stack.startswith("Thread 0x00007f0000000002") and "line 318 in hangs_between_steps" in stack, stack
+    assert "priority.py" not in stack and "compile_graph" not in stack, stack

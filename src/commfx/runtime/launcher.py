@@ -338,15 +338,29 @@ def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 1.0) -> None:
 def _last_stack(job: Path, rank: int, lines: int = 12) -> str:
     """The main thread's stack from the rank's last faulthandler dump (innermost call first)."""
     text = (job / f"log_{rank}.txt").read_text(errors="replace")
-    start = text.rfind("Current thread")
-    if start < 0:
+    block = _main_thread_block(text)
+    if block is None:
         return error_summary(text, lines) or "(no stack: the rank did not answer)"
-    block = text[start:].splitlines()
     frames = [line.strip() for line in block[1:] if line.strip().startswith("File ")]
     user = [f for f in frames if "/site-packages/" not in f and "/lib/python" not in f]
     shown = frames[:lines]
     where = f"\n(innermost frame of its own code: {user[0]})" if user and user[0] not in shown[:3] else ""
     return block[0] + "\n  " + "\n  ".join(shown) + where
+
+
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.MULTILINE)
+
+
+def _main_thread_block(text: str) -> list[str] | None:
+    """The main thread's header and frames from the log's last faulthandler dump. The
+    signal lands on any of the rank's threads (faulthandler calls that one "Current
+    thread"), so the main thread is found by its outermost frame, which runs a module."""
+    headers = [m.start() for m in _THREAD_HEADER.finditer(text)]
+    for start, end in reversed(list(zip(headers, [*headers[1:], len(text)]))):
+        block = text[start:end].strip().split("\n\n")[0].splitlines()
+        if block[-1].strip().endswith(" in <module>") or any("<frozen runpy>" in line for line in block):
+            return block
+    return None
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> set[int]:
