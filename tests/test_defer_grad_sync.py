@@ -16,7 +16,6 @@ from commfx.models import load_model
 from commfx.passes import check_plan
 from commfx.plan import Plan, PlanError
 from commfx.runtime.launcher import launch
-from defer_workers import STEPS
 
 BASE = "lift,expert_parallel"
 LINA = "lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=1024"
@@ -37,27 +36,18 @@ def _check_equal(results, pairs):
 
 @pytest.mark.distributed
 def test_deferred_steps_equal_steps_after_a_full_backward():
-    """`step=forward`: every parameter is stepped in the next forward, while it waits on the
-    wire or at its first use; under partition_a2a's lanes the forward waits on all-to-alls."""
-    in_forward = "defer_grad_sync:step=forward"
-    plans = [BASE, f"{BASE},defer_grad_sync", LINA, f"{LINA},defer_grad_sync", f"{BASE},{in_forward}", f"{LINA},{in_forward}"]
+    plans = [BASE, f"{BASE},defer_grad_sync", LINA, f"{LINA},defer_grad_sync"]
     results = launch("defer_workers:train_each_plan", 2, {"plans": plans}, timeout_s=300, collective_timeout_s=60)
-    _check_equal(
-        results,
-        ((BASE, f"{BASE},defer_grad_sync"), (LINA, f"{LINA},defer_grad_sync"), (BASE, f"{BASE},{in_forward}"), (LINA, f"{LINA},{in_forward}")),
-    )
-    for result in results:  # each parameter stepped once a step, all of them late
-        parameters = len(result[BASE]["sgd"]["params"])
-        assert result[f"{LINA},{in_forward}"]["adamw"]["caught_up"] == STEPS * parameters
+    _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"), (LINA, f"{LINA},defer_grad_sync")))
 
 
 @pytest.mark.distributed
 def test_a_tied_weight_is_stepped_once_with_both_uses_gradients():
     """The LM head shares the embedding's weight, as in many Hugging Face models: one
-    parameter whose gradient sums both uses, stepped once, late."""
-    plans = [BASE, f"{BASE},defer_grad_sync", f"{BASE},defer_grad_sync:step=forward"]
+    parameter whose gradient sums both uses, stepped late."""
+    plans = [BASE, f"{BASE},defer_grad_sync"]
     results = launch("defer_workers:train_each_plan", 2, {"plans": plans, "tied": True}, timeout_s=300, collective_timeout_s=60)
-    _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"), (BASE, f"{BASE},defer_grad_sync:step=forward")))
+    _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"),))
 
 
 @pytest.mark.distributed
@@ -74,7 +64,6 @@ def test_deferred_gradients_accumulate_over_micro_batches():
     [
         ("lift,pipeline_split,defer_grad_sync", {"pp": 2}, "defer_grad_sync does not work with pipeline_split"),
         ("lift,tensor_parallel,resize_tp,defer_grad_sync", {"tp": 2}, "defer_grad_sync does not work with resize_tp"),
-        ("lift,expert_parallel,defer_grad_sync:step=later", {}, "defer_grad_sync step must be now .* or forward .*; got 'later'"),
     ],
 )
 def test_defer_grad_sync_plan_errors(passes, topology, message):
@@ -105,38 +94,3 @@ def test_a_second_step_while_gradients_are_on_the_wire_says_to_synchronize():
     optimizer.step()
     with pytest.raises(RuntimeError, match=r"optimizer.step\(\) twice while a gradient was still on the wire; call synchronize\(\) between"):
         optimizer.step()
-
-
-def test_while_waiting_steps_the_parameters_needed_soonest_first():
-    """step=forward: while the forward waits on the wire, parameters are stepped in the order
-    the forward first uses them, about WAITING_BATCH_ELEMENTS at a time, never one whose
-    gradient is still on the wire; a wait with nothing left to step returns at once."""
-    from types import SimpleNamespace
-
-    from commfx.runtime import deferred_step
-    from commfx.runtime.deferred_step import DeferredStep
-
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 3, 4, 2)]
-    for param in params:
-        param.grad = torch.ones_like(param)
-    sync = SimpleNamespace(in_flight={3: object()}, slots=[SimpleNamespace(param=p) for p in params], pending=True)
-    deferred = DeferredStep(sync, step_in_forward=True)
-    deferred._first_use = {0: 0.9, 1: 0.1, 2: 0.5, 3: 0.0}
-    optimizer = torch.optim.SGD(params, lr=1.0)
-    deferred.optimizer = optimizer
-    optimizer.register_step_pre_hook(deferred._before_step)
-    optimizer.step()
-    assert all(float(p.abs().sum()) == 0 for p in params)  # nothing stepped yet
-    stepped = []
-    original = deferred._step_only
-    deferred._step_only = lambda ps, h: (stepped.append([next(i for i, q in enumerate(params) if q is p) for p in ps]), original(ps, h))
-    old_batch, deferred_step.WAITING_BATCH_ELEMENTS = deferred_step.WAITING_BATCH_ELEMENTS, 6
-    try:
-        while deferred.while_waiting():
-            pass
-    finally:
-        deferred_step.WAITING_BATCH_ELEMENTS = old_batch
-    assert stepped == [[1, 2], [0]]  # 3 + 4 elements reach the batch; slot 3 is on the wire
-    for index in (0, 1, 2):
-        torch.testing.assert_close(params[index].detach(), -torch.ones_like(params[index]))
-    assert float(params[3].abs().sum()) == 0 and deferred.pending

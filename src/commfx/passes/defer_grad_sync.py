@@ -11,12 +11,6 @@ other parameter is updated by the same optimizer, with the hyperparameters it ha
 step, the moment the next forward first uses it (or at `synchronize()`, `state_dict()`, or
 the next backward). Lossless: the same parameters after every step (float64 tests).
 
-`step=forward` moves the whole optimizer step there: every parameter is stepped while the
-next forward waits on an all-to-all (those it needs soonest first) or just before its first
-use, so on a link-bound step the optimizer's compute hides behind transfers instead of
-leaving the link idle between backward and forward. Parameters are current again after
-`synchronize()`, `state_dict()` or the next backward, as with the deferred ones.
-
 The graph does not change: the pass marks the program and the runtime does the rest
 (`runtime/deferred_step.py`). The module must know the optimizer
 (`dm.attach_optimizer(optimizer)`; `commfx run` and `commfx bench` do it), and nothing may
@@ -44,17 +38,9 @@ class DeferGradSync(Pass):
     @dataclasses.dataclass(frozen=True)
     class Options:
         enabled: bool = True
-        step: str = "now"  # now | forward: the optimizer steps every parameter in the next forward, while it waits on the wire
-
-    STEPS = ("now", "forward")
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
-        if options.step not in cls.STEPS:
-            raise PlanError(
-                f"defer_grad_sync step must be now (the optimizer steps what is in, the rest at its first use) or "
-                f"forward (every parameter is stepped in the next forward); got {options.step!r}"
-            )
         if options.enabled and "pipeline_split" in plan.pass_names():
             raise PlanError(
                 "defer_grad_sync does not work with pipeline_split yet: a pipeline stage steps after its last "
@@ -68,13 +54,9 @@ class DeferGradSync(Pass):
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         program.annotations["grad_sync"] = "next_forward" if options.enabled else "backward"
-        program.annotations["optimizer_step"] = options.step
         if options.enabled:
-            when = (
-                "every parameter is stepped there, while the forward waits on the wire or just before its first use"
-                if options.step == "forward" else "a parameter whose gradient is still on the wire is stepped just before its first use there"
-            )
             program.annotations.setdefault("notes", []).append(
-                f"{PASS}: the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is called; {when}"
+                f"{PASS}: the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is "
+                "called; each parameter is stepped just before its first use there"
             )
         return False

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
-from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,9 +103,6 @@ class CommScheduler:
         self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
         self.op_state: dict = {}  # state an op reads when it runs, keyed by op id (e.g. resizable tp linears)
         self.blocked_s = 0.0  # seconds this rank has spent waiting on communication (compute = wall - blocked)
-        # work to do instead of blocking (defer_grad_sync:step=forward steps parameters): called
-        # while a wait's collective is not done, until it returns False
-        self.while_waiting: Callable[[], bool] | None = None
         self.slowdown = 1.0  # > 1: the executor stretches each compute node (a straggler, for `commfx bench --slow-rank`)
         self.slow_debt_s = 0.0  # delay the stretched nodes still owe (paid in slices, see executor.stretch)
 
@@ -248,9 +244,6 @@ class CommScheduler:
         """Block until `pending` is done; a failure or a timeout raises CommError."""
         if pending is None:
             return
-        if self.while_waiting is not None:
-            while not pending.done.is_set() and self.while_waiting():
-                pass
         start = time.perf_counter()
         finished = pending.done.wait(self.timeout_s)
         self.blocked_s += time.perf_counter() - start

@@ -65,10 +65,7 @@ class DistributedModule(torch.nn.Module):
         install_default(scheduler)
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         # defer_grad_sync: the all-reduce runs on into the next forward once an optimizer is attached
-        self.deferred = None
-        if program.annotations.get("grad_sync") == "next_forward":
-            self.deferred = DeferredStep(self.grad_sync, step_in_forward=program.annotations.get("optimizer_step") == "forward")
-            self.deferred.timeline = lambda: self.timeline
+        self.deferred = DeferredStep(self.grad_sync) if program.annotations.get("grad_sync") == "next_forward" else None
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
         # resize_tp: shard widths as runtime state, set each window by the SEMI controller
         resize = program.annotations.get("tp_resize")

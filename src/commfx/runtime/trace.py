@@ -42,11 +42,7 @@ class Timeline:
         self.steps: list[tuple[int, float, float]] = []
 
     def compute(self, node: fx.Node, phase: str, start: float, end: float, *, blocked: bool = False) -> None:
-        self.work(op_label(node), node.name, phase, start, end, blocked=blocked)
-
-    def work(self, op: str, name: str, phase: str, start: float, end: float, *, blocked: bool = False) -> None:
-        """Compute outside the graph (a deferred optimizer step) on the same tracks."""
-        self.spans.append(ComputeSpan(name, op, phase, start, end, blocked))
+        self.spans.append(ComputeSpan(node.name, op_label(node), phase, start, end, blocked))
 
     def step(self, index: int, start: float, end: float) -> None:
         self.steps.append((index, start, end))
