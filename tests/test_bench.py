@@ -172,8 +172,16 @@ def test_bench_re_places_packed_experts_between_real_steps(tmp_path):
 def test_bench_steps_per_round_times_consecutive_steps_with_deferred_gradients(tmp_path):
     # --steps-per-round 3 with defer_grad_sync: each phase covers 3 consecutive steps and is
     # divided by 3, so bytes per step are still exactly one step's (the analytic counts).
-    result, stdout, _ = _bench(tmp_path, "--no-emulation", "--steps-per-round", "3", "--passes", f"{PASSES},defer_grad_sync")
+    # --trace records one more round per plan: its 3 steps, where the later ones carry the
+    # deferred gradient traffic of the step before into their forward.
+    result, stdout, _ = _bench(
+        tmp_path, "--no-emulation", "--steps-per-round", "3", "--passes", f"{PASSES},defer_grad_sync", "--trace", str(tmp_path / "traces")
+    )
     assert result["steps_per_round"] == 3 and "of 3 steps each" in stdout
+    events = json.loads((tmp_path / "traces" / "plan.json").read_text())["traceEvents"]
+    steps = sorted((e["pid"], e["name"]) for e in events if e.get("ph") == "X" and e["name"].startswith("step "))
+    assert steps == [(rank, f"step {i}") for rank in (0, 1) for i in range(3)], steps
+    assert any(e.get("ph") == "X" and e.get("args", {}).get("kind") == "grad_all_reduce" for e in events)
     plan = next(p for p in result["plans"] if p["label"] == "plan")
     assert plan["passes"].endswith("defer_grad_sync")
     result["plans"][0]["passes"] = PASSES

@@ -86,7 +86,7 @@ class BenchConfig:
     lr: float = 1e-3
     seed: int = 0
     progress_path: str | None = None
-    trace_dir: str | None = None  # after measuring, one traced step per plan: DIR/<label>.rankN.json
+    trace_dir: str | None = None  # after measuring, one traced round per plan: DIR/<label>.rankN.json
     slow_rank: tuple[int, float] | None = None  # --slow-rank R:FACTOR (validated)
     slow_method: str = "auto"
     healthy: tuple[str, ...] = ()  # labels of plans measured without the straggler
@@ -210,16 +210,22 @@ class _PlanRunner:
             self.scheduler.wait(pending)
         return _per_step(start, time.monotonic(), self.steps_per_round)
 
-    def traced_step(self, rank: int, trace_dir: str) -> str:
-        """One more training step with the timeline on; writes this rank's trace file."""
+    def traced_round(self, rank: int, trace_dir: str) -> str:
+        """One more round with the timeline on (its `steps_per_round` steps, each a slice on
+        the steps track, and the final settling of deferred traffic): later steps show the
+        steady state, where the previous step's deferred work runs in this one's forward.
+        Writes this rank's trace file."""
         from ..runtime.trace import Timeline, rank_trace_path
 
         self.dm.timeline, self.scheduler.dispatcher.history = Timeline(rank), []
         try:
             self.scheduler.barrier()
-            start = time.perf_counter()
-            self._train_step()
-            self.dm.timeline.step(0, start, time.perf_counter())
+            for index in range(self.steps_per_round):
+                start = time.perf_counter()
+                self._train_step()
+                self.dm.timeline.step(index, start, time.perf_counter())
+            if not self.pipelined:
+                self.dm.synchronize()
             path = rank_trace_path(Path(trace_dir) / f"{self.spec.label}.json", rank)
             return str(self.dm.timeline.write(path, self.scheduler.dispatcher.history))
         finally:
@@ -287,7 +293,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
         runner.samples["placement_decisions"] = runner.placement_lines
     if config.trace_dir:
         for runner in runners:
-            runner.samples["trace"] = runner.traced_step(rank, config.trace_dir)
+            runner.samples["trace"] = runner.traced_round(rank, config.trace_dir)
     return {runner.spec.label: runner.samples for runner in runners}
 
 
@@ -669,7 +675,7 @@ def _run_on_cluster(config: BenchConfig, link, emulate: bool, calibrate_first: b
 
             for spec in config.plans:
                 merged = merge_traces([r[spec.label]["trace"] for r in samples], Path(config.trace_dir) / f"{spec.label}.json")
-                console.print(f"trace of one {spec.label} step: {merged}", markup=False)
+                console.print(f"trace of one {spec.label} round: {merged}", markup=False)
     result.calibration = calibration
     return result
 

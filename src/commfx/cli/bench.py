@@ -68,7 +68,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    parser.add_argument("--trace", metavar="DIR", help="after measuring, trace one step of every plan: DIR/<label>.json "
+    parser.add_argument("--trace", metavar="DIR", help="after measuring, trace one round (--steps-per-round steps) of every plan: DIR/<label>.json "
                                                         "(Chrome/Perfetto, all ranks) and DIR/<label>.rankN.json")
     parser.add_argument("--calibrate", action="store_true",
                         help="first measure compute rate and link throughput, and print the FLOPs-per-byte balance")
