@@ -42,7 +42,7 @@ def test_deferred_steps_equal_steps_after_a_full_backward():
 
 
 @pytest.mark.distributed
-def test_a_tied_weight_is_stepped_once_with_both_uses_gradients():
+def test_a_weight_tied_between_embedding_and_head_is_stepped_late_exactly():
     """The LM head shares the embedding's weight, as in many Hugging Face models: one
     parameter whose gradient sums both uses, stepped late."""
     plans = [BASE, f"{BASE},defer_grad_sync"]
