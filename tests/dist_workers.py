@@ -318,3 +318,12 @@ def hangs_between_steps(rank: int, world_size: int, hanging_rank: int) -> str:
             time.sleep(3600)  # a user's evaluation callback that never returns, say
         dm(local).sum().backward()
     return "finished"
+
+
+def sum_of_ranks(rank: int, world_size: int) -> int:
+    """The smallest job: every rank joins the world and all-reduces its rank."""
+    import torch.distributed as dist
+
+    total = torch.tensor([rank])
+    dist.all_reduce(total)
+    return int(total)

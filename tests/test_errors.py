@@ -234,3 +234,36 @@ def test_the_stack_shown_for_a_stopped_rank_is_its_main_threads_last_one(tmp_pat
     stack = _last_stack(tmp_path, 1)
     assert stack.startswith("Thread 0x00007f0000000002") and "line 318 in hangs_between_steps" in stack, stack
     assert "priority.py" not in stack and "compile_graph" not in stack, stack
+
+
+@pytest.mark.distributed
+def test_a_taken_master_port_is_retried_on_another_or_named(monkeypatch):
+    """Two launchers on one machine can pick the same free port at once (xdist's workers do).
+    Rank 0 of the later job cannot listen there: the launcher starts the job again on another
+    port. A port the caller pinned is not changed: the error names it. (Keys of the rendezvous
+    are under the job's name, so a rank given another job's port never joins that job.)"""
+    import socket
+
+    import commfx.runtime.launcher as launcher
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        picked, real_free_port = [], launcher.free_port
+
+        def taken_first(host: str) -> int:
+            picked.append(real_free_port(host) if picked else taken)
+            return picked[-1]
+
+        monkeypatch.setattr(launcher, "free_port", taken_first)
+        assert launcher.launch("dist_workers:sum_of_ranks", 2, timeout_s=120) == [1, 1]
+        assert picked[0] == taken and len(picked) == 2 and picked[1] != taken, picked
+
+        with pytest.raises(launcher.LaunchError) as info:
+            launcher.launch("dist_workers:sum_of_ranks", 2, timeout_s=120, master_port=taken)
+        assert str(info.value) == (
+            f"rank 0 could not listen on port {taken} of 127.0.0.1: another process holds it. "
+            "Pass another master port, or none to let commfx pick a free one."
+        )

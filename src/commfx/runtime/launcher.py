@@ -27,9 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .worker import PORT_TAKEN
+
 
 class LaunchError(RuntimeError):
     """A rank failed, or the job ran past its time bound."""
+
+
+class _PortTaken(Exception):
+    """Rank 0 found MASTER_PORT taken (worker.PORT_TAKEN): start again on another port."""
+
+
+PORT_ATTEMPTS = 3
 
 
 class Stopped(BaseException):
@@ -86,10 +95,21 @@ def launch(
                     {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
                 )
             )
-            port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
-            for rank in range(world_size):
-                procs.append(_start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0))
-            _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
+            for attempt in range(1 if master_port else PORT_ATTEMPTS):
+                port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
+                for rank in range(world_size):
+                    procs.append(_start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0))
+                try:
+                    _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
+                    break
+                except _PortTaken:
+                    _kill_all(procs)
+                    procs.clear()
+            else:
+                raise LaunchError(
+                    f"rank 0 could not listen on port {port} of {master_addr}: another process holds it. "
+                    + ("Pass another master port, or none to let commfx pick a free one." if master_port else f"{PORT_ATTEMPTS} free ports in a row were taken.")
+                )
             return [pickle.loads((job / f"result_{rank}.pkl").read_bytes()) for rank in range(world_size)]
         except Stopped as stop:
             stop.ranks_stopped = len(procs)
@@ -216,6 +236,8 @@ def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_
     killed: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
+        if codes[0] == PORT_TAKEN:
+            raise _PortTaken()
         if all(c is not None for c in codes):
             break
         if failure_deadline is None and any(code not in (None, 0) for code in codes):

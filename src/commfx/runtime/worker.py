@@ -60,6 +60,27 @@ def _exists(pid: int) -> bool:
         return True
 
 
+# Exit code of rank 0 when MASTER_PORT is taken: the launcher picks another port and starts
+# the job again (two launchers on one machine can pick the same free port at once).
+PORT_TAKEN = 75
+
+
+def join_world(job_name: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Join this job's gloo world. Rank 0 hosts the rendezvous store on MASTER_PORT. Every key
+    is under the job's name, so a rank of another job that was given the same port cannot
+    join this world: it waits for its own job's keys until its launcher stops it."""
+    import torch.distributed as dist
+
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    except RuntimeError as error:  # DistNetworkError
+        if rank == 0 and "EADDRINUSE" in str(error):
+            os._exit(PORT_TAKEN)
+        raise
+    dist.init_process_group("gloo", store=dist.PrefixStore(job_name, store), rank=rank, world_size=world_size, timeout=timeout)
+
+
 def main(job_dir: str, rank_text: str) -> int:
     job_path, rank = Path(job_dir), int(rank_text)
     # The launcher sends SIGUSR1 before it stops a rank that is still running at a deadline:
@@ -71,13 +92,7 @@ def main(job_dir: str, rank_text: str) -> int:
         import torch.distributed as dist
 
         world_size = job["world_size"]
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=job["collective_timeout_s"]),
-        )
+        join_world(job_path.name, rank, world_size, timedelta(seconds=job["collective_timeout_s"]))
         module_name, _, function_name = job["function"].partition(":")
         function = getattr(importlib.import_module(module_name), function_name)
         result = function(rank=rank, world_size=world_size, **job["kwargs"])
