@@ -103,6 +103,19 @@ def test_a_block_the_rules_do_not_cover_is_named():
         compile_program(model, Plan.from_cli("tensor_parallel", world_size=2, tp=2), x)
 
 
+def test_latent_attention_left_replicated_is_a_recorded_decision():
+    """DeepSeek's latent attention (down- and up-projections, no single output linear) is not
+    split: the pass records it, warns, notes it for `commfx dump`, and strict refuses."""
+    with pytest.warns(UserWarning, match=r"model.layers.0.self_attn: no single output linear"):
+        program = _program("hf:deepseek_v3")
+    skipped = program.annotations["tp_skipped"]
+    assert [s.split(":")[0] for s in skipped] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    note = next(n for n in program.annotations["notes"] if n.startswith("tensor_parallel"))
+    assert "splits 2 block(s)" in note and "leaves 2 replicated" in note
+    with pytest.raises(PassError, match=r"cannot split these blocks: model.layers.0.self_attn: no single output linear"):
+        _program("hf:deepseek_v3", passes="lift,tensor_parallel:strict=true")
+
+
 # ------------------------------------------------------------------------------ plan errors
 
 
@@ -118,6 +131,13 @@ def test_tp_needs_the_pass_and_must_divide_the_world():
         compile_program(model, Plan.from_cli("lift", world_size=2, tp=2), inputs)
     with pytest.raises(PlanError, match="tensor-parallel size 3 must divide the world size 4"):
         Plan.from_cli("lift,tensor_parallel", world_size=4, tp=3).validate()
+
+
+def test_pp_needs_the_pass():
+    """Without pipeline_split every rank would run the whole model: --pp alone is an error."""
+    model, inputs = load_model("gpt-moe-tiny")
+    with pytest.raises(PlanError, match=r"pipeline-parallel size 2 needs the pipeline_split pass.*--passes lift,expert_parallel,pipeline_split$"):
+        compile_program(model, Plan.from_cli("lift,expert_parallel", world_size=2, pp=2), inputs)
 
 
 def test_rank_order_is_tp_fastest_then_dp():

@@ -113,6 +113,11 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
             )
         seen.append(spec.name)
         pass_cls.check_plan(plan, build_options(pass_cls, spec.options), model)
+    if plan.topology.pp > 1 and "pipeline_split" not in plan.pass_names():
+        raise PlanError(
+            f"pipeline-parallel size {plan.topology.pp} needs the pipeline_split pass (without it every rank would run "
+            f"the whole model), e.g. --passes {_in_order((PassSpec('lift'), *[s for s in plan.passes if s.name != 'lift'], PassSpec('pipeline_split')))}"
+        )
     return plan
 
 

@@ -95,17 +95,16 @@ class TensorParallel(Pass):
         sizes = _Sizes()
         claimed: set[fx.Node] = set()
         blocks, skipped, members = [], [], {}
-        reported: set[frozenset] = set()
+        unsplittable: set[fx.Node] = set()  # linears of a block already reported: enclosing modules leave them out
         for path, nodes in _regions_innermost_first(graph):
-            linears = [n for n in nodes if _is_linear(n) and n not in claimed]
+            linears = [n for n in nodes if _is_linear(n) and n not in claimed and n not in unsplittable]
             try:
                 block = _plan_block(graph, path, nodes, linears, tp, sizes)
             except _NotABlock:
                 continue
             except Unsupported as why:
-                if frozenset(linears) not in reported:  # an enclosing module fails the same way: say it once
-                    reported.add(frozenset(linears))
-                    skipped.append(f"{path}: {why}")
+                unsplittable.update(linears)
+                skipped.append(f"{path}: {why}")
                 continue
             claimed.update(block.columns + [block.row])
             blocks.append(block)
@@ -135,8 +134,18 @@ class TensorParallel(Pass):
             {"path": b.path, "columns": [c.name for c in b.columns], "row": b.row.name, "units": b.row_layout[1]} for b in blocks
         ]
         program.annotations["tp_skipped"] = skipped
+        program.annotations.setdefault("notes", []).append(_note(blocks, skipped, tp))
         program.gm.recompile()
         return True
+
+
+def _note(blocks: list["Block"], skipped: list[str], tp: int) -> str:
+    """What the pass split and what it left replicated, for `commfx dump`."""
+    split = ", ".join(f"{b.path} ({b.row_layout[1]} units)" for b in blocks)
+    note = f"tensor_parallel splits {len(blocks)} block(s) over tp={tp}: {split}"
+    if skipped:
+        note += f"; leaves {len(skipped)} replicated (tensor_parallel:strict=true makes this an error): " + "; ".join(skipped)
+    return note
 
 
 def _head_counts(model: torch.nn.Module) -> list[tuple[str, str, int]]:
@@ -185,8 +194,13 @@ def _plan_block(graph: fx.Graph, path: str, nodes: list[fx.Node], linears: list[
     region = set(nodes)
     columns = [n for n in linears if n.args[0] not in region]
     rows = [n for n in linears if n not in columns]
-    if len(rows) != 1 or not columns:
+    if not rows or not columns:
         raise _NotABlock
+    if len(rows) > 1:
+        raise Unsupported(
+            f"no single output linear: {', '.join(n.name for n in rows)} all read values computed inside it "
+            "(e.g. latent attention's down- and up-projections)"
+        )
     row = rows[0]
     if len({c.args[0] for c in columns}) != 1:
         raise Unsupported("its column linears read different inputs")
