@@ -327,3 +327,16 @@ def sum_of_ranks(rank: int, world_size: int) -> int:
     total = torch.tensor([rank])
     dist.all_reduce(total)
     return int(total)
+
+
+def diverging_replicas(rank: int, world_size: int, replicas: str) -> dict:
+    """Each rank builds the model from its own seed, as a script that forgets to seed would."""
+    from commfx.plan import PlanError
+    from commfx.runtime.replicas import digest
+
+    model, (ids,) = load_model("gpt-moe-tiny", seed=rank)
+    try:
+        dm = distribute(model, Plan.from_cli("lift,expert_parallel", world_size=world_size), (split_batch(ids, world_size, rank),), replicas=replicas)
+    except PlanError as error:
+        return {"error": str(error)}
+    return {"digests": {name: digest(p) for name, p in dm.named_parameters() if "experts" not in name}}

@@ -59,6 +59,17 @@ def test_world_size_mismatch_is_a_clear_error():
         launch("dist_workers:wrong_world_size", 2, {}, timeout_s=120)
 
 
+def test_replicas_built_from_different_seeds_are_named_or_broadcast():
+    """Ranks that build the model from different seeds would train diverging replicas."""
+    sys.path.insert(0, TESTS)
+    checked = launch("dist_workers:diverging_replicas", 2, {"replicas": "check"}, timeout_s=180)
+    for result in checked:
+        assert "parameter(s) or buffer(s) differ from rank 0's" in result["error"], result
+        assert "embed.weight (rank 1)" in result["error"] and "replicas='broadcast'" in result["error"]
+    broadcast = launch("dist_workers:diverging_replicas", 2, {"replicas": "broadcast"}, timeout_s=180)
+    assert broadcast[0]["digests"] and broadcast[0]["digests"] == broadcast[1]["digests"]
+
+
 def test_experts_are_really_sharded_and_state_dict_round_trips():
     results = launch("dist_workers:shard_and_checkpoint", 2, {}, timeout_s=180)
     for r in results:

@@ -19,9 +19,12 @@ from .runtime.comm import CommScheduler, build_groups
 from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
 from .runtime.pipeline.module import PipelineModule
+from .runtime.replicas import REPLICA_MODES, broadcast_replicas, check_replicas, named_state
 
 
-def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwargs: dict | None = None) -> DistributedModule:
+def distribute(
+    model: torch.nn.Module, plan: Plan, example_inputs, example_kwargs: dict | None = None, *, replicas: str = "check"
+) -> DistributedModule:
     """Rewrite `model` by `plan` and return this rank's module (call on every rank).
 
     Needs an initialised default process group whose size is the plan's world size.
@@ -30,7 +33,13 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwarg
     (`distribute(hf_model, plan, (ids,), {"labels": ids})`). The module is then called the
     same way, positionally or by keyword, and returns what the model returns (for an HF
     model, a `ModelOutput` with `logits`, and `loss` when labels are passed).
+
+    `replicas`: every rank must start from the same model. "check" (default) compares a
+    digest of every parameter and buffer across ranks and names those that differ;
+    "broadcast" gives every rank rank 0's values first; "off" skips both.
     """
+    if replicas not in REPLICA_MODES:
+        raise PlanError(f"replicas={replicas!r} is not one of {', '.join(REPLICA_MODES)}")
     if not dist.is_initialized():
         raise PlanError(
             "commfx.distribute needs torch.distributed initialised on every rank "
@@ -45,6 +54,10 @@ def distribute(model: torch.nn.Module, plan: Plan, example_inputs, example_kwarg
     rank = dist.get_rank()
     groups = build_groups(plan.topology, rank, timeout_s=plan.collective_timeout_s)
     scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
+    if replicas == "broadcast":
+        broadcast_replicas(scheduler, named_state(model))
+    elif replicas == "check":
+        check_replicas(scheduler, named_state(model))
     # Cost models must choose the same on every rank, however uneven the batches.
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     if _has_no_rows((*args, *kwargs.values())):

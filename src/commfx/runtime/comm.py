@@ -236,6 +236,13 @@ class CommScheduler:
         self._blocking("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=handle.pg))
         return out
 
+    def broadcast(self, tensor: torch.Tensor, group: str = "world", src_index: int = 0) -> torch.Tensor:
+        """Overwrite `tensor` in place with index `src_index`'s copy in `group` (bounded wait)."""
+        handle = self.group(group)
+        if handle.size > 1:
+            self._blocking("broadcast", group, lambda: dist.broadcast(tensor, src=handle.ranks[src_index], group=handle.pg))
+        return tensor
+
     def barrier(self, group: str = "world") -> None:
         handle = self.group(group)
         self._blocking("barrier", group, lambda: dist.barrier(group=handle.pg))
