@@ -2,12 +2,13 @@
 
 The renderer is the one `commfx dump` uses. Regenerate on purpose and read the diff:
     COMMFX_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+Every golden file is declared with the test that reads it in tests/golden_files.py.
 """
 
-import os
-from pathlib import Path
+import importlib
 
 import pytest
+from _pytest.mark.structures import ParameterSet
 
 from commfx.api import compile_program
 from commfx.compiler.lower import lower
@@ -15,8 +16,10 @@ from commfx.models import BUILTIN_MODELS, load_model
 from commfx.plan import Plan
 from commfx.compiler.render import render
 
-GOLDEN = Path(__file__).parent / "golden"
-STAGES = ("lifted", "distributed", "forward", "backward")
+import golden_files
+from golden_files import GOLDEN
+
+STAGES = golden_files.ALL_STAGES
 
 
 LINA = "lift,expert_parallel,partition_a2a:k=2"
@@ -36,13 +39,47 @@ def rendered(model_name: str, passes: str = "lift,expert_parallel") -> dict[str,
 
 
 def check_golden(texts: dict[str, str], prefix: str, stages) -> None:
-    """Each stage's text equals tests/golden/<prefix>.<stage>.txt (written under COMMFX_UPDATE_GOLDEN)."""
+    """Each stage's text equals tests/golden/<prefix>.<stage>.txt (see golden_files.check_golden)."""
     for stage in stages:
-        path = GOLDEN / f"{prefix}.{stage}.txt"
-        if os.environ.get("COMMFX_UPDATE_GOLDEN"):
-            path.write_text(texts[stage])
-        assert path.exists(), f"{path} missing: run with COMMFX_UPDATE_GOLDEN=1 to create it"
-        assert texts[stage] == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+        golden_files.check_golden(f"{prefix}.{stage}", texts[stage])
+
+
+def _parameter_ids(function) -> set[str] | None:
+    """The ids of a test's single-argument parametrize marks (None when it has none)."""
+    marks = [m for m in getattr(function, "pytestmark", []) if m.name == "parametrize"]
+    if not marks:
+        return None
+    ids = set()
+    for mark in marks:
+        explicit = mark.kwargs.get("ids")
+        for i, value in enumerate(mark.args[1]):
+            if explicit is not None:
+                ids.add(str(explicit[i]))
+            elif isinstance(value, ParameterSet):
+                ids.add(value.id if value.id is not None else str(value.values[0]))
+            else:
+                ids.add(str(value))
+    return ids
+
+
+def test_every_golden_file_has_a_reader():
+    """tests/golden/ holds exactly the files golden_files.READERS declares, and every declared
+    reader is a test that exists (with that parameter), so no golden can go unchecked."""
+    on_disk = {path.name for path in GOLDEN.iterdir()}
+    declared = {f"{name}.txt" for names in golden_files.READERS.values() for name in names}
+    assert not on_disk - declared, f"golden files no test reads (declare a reader in tests/golden_files.py or delete them): {sorted(on_disk - declared)}"
+    assert not declared - on_disk, f"declared golden files missing from tests/golden (create them with COMMFX_UPDATE_GOLDEN=1): {sorted(declared - on_disk)}"
+    for test_id in golden_files.READERS:
+        file_name, test = test_id.split("::")
+        function_name, _, parameter = test.partition("[")
+        module = importlib.import_module(file_name.removesuffix(".py"))
+        function = getattr(module, function_name, None)
+        assert callable(function), f"{test_id}: no test {function_name} in tests/{file_name}"
+        ids = _parameter_ids(function)
+        if parameter:
+            assert ids is not None and parameter.removesuffix("]") in ids, f"{test_id}: {function_name} has no parameter {parameter[:-1]!r} (has {ids})"
+        else:
+            assert ids is None, f"{test_id}: {function_name} is parametrized; name the parameter ({sorted(ids)})"
 
 
 @pytest.mark.parametrize("model_name", sorted(BUILTIN_MODELS))
@@ -103,3 +140,44 @@ def test_golden_packed_and_chunked_graphs():
     first_experts = next(i for i, line in enumerate(forward) if "commfx.packed_expert_ffn(" in line)
     dispatches = [i for i, line in enumerate(forward) if "commfx.all_to_all_start(" in line and "packed dispatch" in line]
     assert len(dispatches) == 2 and max(dispatches) < first_experts
+
+
+# ---------------------------------------------------------------------------- the golden helper itself
+
+
+@pytest.fixture
+def scratch_golden(request, tmp_path, monkeypatch):
+    """A golden 'scratch' in a temporary directory, declared for the running test."""
+    monkeypatch.setattr(golden_files, "GOLDEN", tmp_path)
+    monkeypatch.delenv(golden_files.UPDATE_VARIABLE, raising=False)
+    test_id = f"{request.node.path.name}::{request.node.name}"
+    monkeypatch.setitem(golden_files.READERS, test_id, ("scratch",))
+    (tmp_path / "scratch.txt").write_text("line 1\nline 2\nline 3\n")
+    return tmp_path / "scratch.txt"
+
+
+def test_a_hand_edited_golden_fails_with_a_unified_diff(scratch_golden):
+    golden_files.check_golden("scratch", "line 1\nline 2\nline 3\n")
+    scratch_golden.write_text("line 1\nline 2 edited\nline 3\n")
+    with pytest.raises(pytest.fail.Exception) as failure:
+        golden_files.check_golden("scratch", "line 1\nline 2\nline 3\n")
+    message = str(failure.value)
+    assert "--- tests/golden/scratch.txt\n+++ scratch (rendered now)" in message
+    assert "-line 2 edited\n+line 2\n" in message
+
+
+def test_only_update_flag_1_rewrites(scratch_golden, monkeypatch):
+    for value in ("0", "true", "yes", " 1"):
+        monkeypatch.setenv(golden_files.UPDATE_VARIABLE, value)
+        with pytest.raises(pytest.fail.Exception, match="the only allowed value is 1"):
+            golden_files.check_golden("scratch", "new\n")
+        assert scratch_golden.read_text() == "line 1\nline 2\nline 3\n"
+    monkeypatch.setenv(golden_files.UPDATE_VARIABLE, "1")
+    golden_files.check_golden("scratch", "new\n")
+    assert scratch_golden.read_text() == "new\n"
+
+
+def test_a_golden_not_declared_for_the_test_is_refused(scratch_golden):
+    (scratch_golden.parent / "other.txt").write_text("x\n")
+    with pytest.raises(pytest.fail.Exception, match="does not declare for it"):
+        golden_files.check_golden("other", "x\n")

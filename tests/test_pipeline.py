@@ -23,9 +23,9 @@ from commfx.runtime.comm import install_default, local_scheduler
 from commfx.runtime.launcher import launch
 from commfx.runtime.pipeline.schedule import actions, critical_backwards
 from commfx.verify import VerifyCase, verify
+from golden_files import check_golden
 
 TESTS = Path(__file__).parent
-GOLDEN = TESTS / "golden"
 TIED = f"{TESTS / 'model_files' / 'tied_pipeline.py'}:build"
 
 
@@ -92,13 +92,7 @@ def test_tied_weight_is_held_by_both_ends():
 def test_golden_stages_and_boundaries():
     model, inputs = load_model("gpt-moe")
     program = compile_program(model, Plan.from_cli("lift,pipeline_split", world_size=2, pp=2), inputs)
-    text = render_pipeline(program.annotations["pipeline"])
-    path = GOLDEN / "gpt-moe.pp2.stages.txt"
-    import os
-
-    if os.environ.get("COMMFX_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{path.name} changed; if on purpose, regenerate and review the diff"
+    check_golden("gpt-moe.pp2.stages", render_pipeline(program.annotations["pipeline"]))
 
 
 # ------------------------------------------------------------------------ errors, before any rank starts
