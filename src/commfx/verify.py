@@ -23,6 +23,7 @@ in both runs, so they agree exactly).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from .models import load_model
 from .models.hf import choose_experts_implementation, training_forward
 from .passes import plan_options
+from .passes.base import no_op_passes, rewrite_census
 from .plan import Plan
 
 DEFAULT_TOLERANCE = 1e-10
@@ -61,23 +63,31 @@ class VerifyReport:
     tolerance: float
     tokens_per_rank: list[int] = field(default_factory=list)
     empty_experts: list[str] = field(default_factory=list)
+    rows_per_rank: list[int] = field(default_factory=list)  # sequences (dim 0 of the inputs) each rank had
+    # the first non-finite output or gradient of each rank that has one: 'output 0 on rank 1 (nan)'
+    not_finite: list[str] = field(default_factory=list)
     # gradient name -> (its own tolerance, why): parameters the model computes in a coarser dtype
     low_precision: dict[str, tuple[float, str]] = field(default_factory=dict)
+    # pass -> what it left in the distributed graph, counted (rank 0's; see Pass.evidence)
+    rewrites: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def max_diff(self) -> float:
-        return max([self.output_diff, self.replica_diff, *self.grad_diffs.values()])
+        return worst([self.output_diff, self.replica_diff, *self.grad_diffs.values()])
 
     def tolerance_of(self, name: str) -> float:
         return self.low_precision[name][0] if name in self.low_precision else self.tolerance
 
     @property
     def failures(self) -> list[str]:
-        bad = [name for name, diff in self.grad_diffs.items() if diff > self.tolerance_of(name)]
-        if self.output_diff > self.tolerance:
+        """What is over its tolerance; NaN is never within one (`not diff <= tolerance`)."""
+        bad = [name for name, diff in self.grad_diffs.items() if not diff <= self.tolerance_of(name)]
+        if not self.output_diff <= self.tolerance:
             bad.insert(0, "outputs")
-        if self.replica_diff > self.tolerance:
+        if not self.replica_diff <= self.tolerance:
             bad.append("replicated grads across ranks")
+        bad[:0] = [f"not finite: {what}" for what in self.not_finite]
+        bad.extend(f"pass {name} changed nothing" for name in no_op_passes(self.rewrites))
         return bad
 
     @property
@@ -101,6 +111,40 @@ def build_case_model(case: VerifyCase):
 
 def split_batch(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     return torch.tensor_split(tensor, world_size, dim=0)[rank]
+
+
+def batch_tensors(inputs) -> list[torch.Tensor]:
+    """The tensors of a batch given as a tuple or as a dict of keyword tensors."""
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def call(model, inputs):
+    """`model` on a batch: positionally for a tuple, by keyword for a dict."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+class NonFiniteError(ValueError):
+    """A NaN or inf where training or verifying needs numbers: never a pass."""
+
+
+def not_finite(named) -> str | None:
+    """'name (nan)' for the first floating tensor of (name, tensor) pairs holding NaN or inf."""
+    for name, tensor in named:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{name} ({'nan' if bool(tensor.isnan().any()) else 'inf'})"
+    return None
+
+
+def worst(values) -> float:
+    """The largest of `values`, NaN if any is NaN (Python's max() hides a NaN after the first value)."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| (NaN if either holds NaN); 0 for empty tensors (a rank without rows)."""
+    diff = (a - b).abs()
+    return diff.max().item() if diff.numel() else 0.0
 
 
 def data_share(plan: Plan, rank: int) -> tuple[int, int]:
@@ -165,6 +209,7 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
         global_rows = inputs[0].shape[0]
         if isinstance(dm, PipelineModule):
             results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed))
+            results[-1]["rewrites"] = rewrite_census(dm.program, case.plan)
             continue
         outputs, losses = per_rank(pytree.tree_flatten(dm(*local))[0])
         loss = sum((o * split_batch(p, parts, part)).sum() for o, p in zip(outputs, probes(outputs, parts if losses else global_rows, case.seed)))
@@ -175,6 +220,7 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
                 "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
                 "placement": dm.placement,
                 "tokens": int(local[0].numel()),
+                "rewrites": rewrite_census(dm.program, case.plan),
             }
         )
     return results
@@ -320,6 +366,7 @@ def compare(case: VerifyCase, rank_results: list[dict], world_size: int, toleran
         tolerance,
         [r["tokens"] for r in rank_results],
         low_precision=low_precision_tolerances(case, ref_grads, tolerance),
+        rewrites=rank_results[0]["rewrites"],
     )
 
 

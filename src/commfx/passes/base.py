@@ -47,12 +47,55 @@ class Pass:
         return True
 
     @classmethod
+    def evidence(cls, program: Program, options: Any) -> dict[str, int]:
+        """What this pass left in `program`, counted (e.g. {"commfx.all_to_all": 4}): the
+        nodes it stamped, by op, in the graph and every pipeline stage. Passes whose work is
+        not nodes (an annotation, a codec on a boundary) count that instead. Empty means the pass did
+        nothing: `run_passes` records this right after the pass runs (later passes may rewrite
+        its nodes again), and verify fails a plan with such a pass."""
+        counts: dict[str, int] = {}
+        for gm in graphs_of(program):
+            for node in gm.graph.nodes:
+                made_by = node.meta.get("commfx", {}).get("pass")
+                if made_by == cls.name:
+                    op = _op_name(node)
+                    counts[op] = counts.get(op, 0) + 1
+        return counts
+
+    @classmethod
     def summary(cls) -> str:
         doc = (cls.__doc__ or "").strip().splitlines()
         return doc[0] if doc else ""
 
 
 REGISTRY: dict[str, type[Pass]] = {}
+
+
+def graphs_of(program: Program) -> list[torch.fx.GraphModule]:
+    """The program's graph, and each pipeline stage's once it is split."""
+    pipeline = program.annotations.get("pipeline")
+    return [program.gm, *(stage.gm for stage in pipeline.stages)] if pipeline is not None else [program.gm]
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return f"{node.op}:{target}" if node.op != "call_method" else target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def rewrite_census(program: Program, plan: Plan) -> dict[str, dict[str, int]]:
+    """Each pass of `plan` -> what it left in the graph right after it ran (Pass.evidence),
+    {} for a pass that did nothing or did not run."""
+    recorded = program.annotations.get("rewrites", {})
+    return {spec.name: dict(recorded.get(spec.name, {})) for spec in plan.passes}
+
+
+def no_op_passes(census: dict[str, dict[str, int]]) -> list[str]:
+    """The passes of a census that left nothing behind."""
+    return [name for name, found in census.items() if not found]
 
 
 def register(cls: type[Pass]) -> type[Pass]:
@@ -212,6 +255,7 @@ def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None, w
         changed = pass_cls().run(program, options, plan)
         program.facts.update(pass_cls.ensures)
         program.history.append(f"{spec.name}: {'changed' if changed else 'no change'}")
+        program.annotations.setdefault("rewrites", {})[spec.name] = pass_cls.evidence(program, options)
         verify_graph(program, plan)
         if stop_after == spec.name:
             break

@@ -63,6 +63,17 @@ class CompressPipeline(Pass):
         if options.dp_rank < 1:
             raise PlanError(f"compress_pipeline dp_rank must be at least 1, got {options.dp_rank}")
 
+    @classmethod
+    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
+        pipeline = program.annotations.get("pipeline")
+        if pipeline is None:
+            return {}
+        found = {
+            "boundary codecs": sum(1 for b in pipeline.boundaries if b.codec is not None),
+            "data-parallel codecs": sum(1 for s in pipeline.stages if getattr(s, "dp_codec", None) is not None),
+        }
+        return {what: n for what, n in found.items() if n}
+
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         pipeline = program.annotations.get("pipeline")
         if pipeline is None:

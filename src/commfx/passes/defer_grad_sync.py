@@ -52,6 +52,12 @@ class DeferGradSync(Pass):
                 "optimizer state that a deferred step has still to update); drop one of them"
             )
 
+    @classmethod
+    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
+        if not options.enabled:
+            return {"gradient sync in backward (enabled=false)": 1}
+        return {"gradient sync into the next forward": 1} if program.annotations.get("grad_sync") == "next_forward" else {}
+
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         program.annotations["grad_sync"] = "next_forward" if options.enabled else "backward"
         if options.enabled:

@@ -52,6 +52,12 @@ class HierarchicalA2A(Pass):
                 "or drop hierarchical_a2a"
             )
 
+    @classmethod
+    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
+        if not options.enabled:
+            return {"flat all-to-all (enabled=false)": 1}
+        return {"hierarchical all-to-all": 1} if program.annotations.get("a2a_algorithm") == "hierarchical" else {}
+
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         program.annotations["a2a_algorithm"] = "hierarchical" if options.enabled else "flat"
         return False

@@ -74,6 +74,13 @@ class PipelineSplit(Pass):
                     f"stages; every stage needs a layer: use --pp {max(1, layers)} or fewer"
                 )
 
+    @classmethod
+    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
+        pipeline = program.annotations.get("pipeline")
+        if pipeline is None or len(pipeline.stages) < 2:
+            return {}
+        return {"stages": len(pipeline.stages), "boundaries": len(pipeline.boundaries)}
+
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         pp = plan.topology.pp
         graph = program.graph

@@ -104,6 +104,15 @@ class SplitEmbeddingComm(Pass):
                         f"a world/ep size dividing its rows, or pad the vocabulary to a multiple of {parts}"
                     )
 
+    @classmethod
+    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
+        """Tables and heads by the strategy chosen (dense is a decision too, not a rewrite)."""
+        counts: dict[str, int] = {}
+        for decision in program.annotations.get("embedding_comm", {}).values():
+            key = f"{decision['strategy']} {'heads' if decision.get('head') else 'tables'}"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         tables = program.annotations.get("embeddings") or []
         tokens = program.annotations.get("tokens_per_rank")
