@@ -118,6 +118,8 @@ def cmd_verify(args) -> int:
     console.print(table)
     for name, (tol, why) in sorted(report.low_precision.items()):
         console.print(f"* grad {name}: judged at {tol:.3g}: {why}", soft_wrap=True)
+    for name, found in report.rewrites.items():
+        console.print(f"rewrite {name}: " + (", ".join(f"{what} x{n}" for what, n in found.items()) or "nothing (a no-op fails)"), soft_wrap=True)
     console.print(f"tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)")
     verdict = ("PASS", "green") if report.ok else ("FAIL", "red")
     detail = "" if report.ok else f"; over tolerance: {', '.join(report.failures)}"
