@@ -10,7 +10,9 @@ experts cannot be split over 4 ranks.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,48 @@ class Topology:
     # fixed cost of one collective beyond the wire's latency: launch, software stack, waiting
     # for the slowest peer (tens of microseconds with NCCL; milliseconds for gloo on shared CPUs)
     collective_overhead_s: float = 20e-6
+
+    @classmethod
+    def from_env(cls, world_size: int | None = None, environ: Mapping[str, str] | None = None, **fields: Any) -> "Topology":
+        """This launch's topology: what the caller leaves out comes from torchrun's environment.
+
+        torchrun gives every rank WORLD_SIZE, and LOCAL_WORLD_SIZE ranks per node, so on several
+        nodes the ranks per node are known without the user repeating them (`locality_gate`
+        and `hierarchical_a2a` plan for the real machine). A given `ranks_per_node` (0 counts
+        as not given) must agree; nodes must hold equal numbers of ranks. A plan for another
+        world than torchrun's (a single-process reference inside a rank) takes nothing from it,
+        and outside torchrun the fields are used as given.
+        """
+        env = os.environ if environ is None else environ
+        torchrun_world = _env_int(env, "WORLD_SIZE")
+        if world_size is None:
+            if torchrun_world is None:
+                raise PlanError("the plan has no world size: pass world_size=..., or run under torchrun, which sets WORLD_SIZE")
+            world_size = torchrun_world
+        local = _env_int(env, "LOCAL_WORLD_SIZE")
+        if local is None or world_size != torchrun_world:
+            return cls(world_size=world_size, **fields)
+        nodes = _env_int(env, "GROUP_WORLD_SIZE")
+        if local < 1 or world_size % local or (nodes is not None and nodes * local != world_size):
+            raise PlanError(
+                f"torchrun started {world_size} ranks (WORLD_SIZE)"
+                + (f" on {nodes} nodes (GROUP_WORLD_SIZE)" if nodes is not None else "")
+                + f", but this node has {local} (LOCAL_WORLD_SIZE); commfx needs the same number of ranks on every node: "
+                "give every node's torchrun the same --nproc-per-node"
+            )
+        given = fields.get("ranks_per_node") or 0
+        if given and given != local:
+            raise PlanError(
+                f"ranks_per_node={given} disagrees with torchrun's LOCAL_WORLD_SIZE={local} (its --nproc-per-node); "
+                f"drop ranks_per_node to take torchrun's, or start {given} ranks per node"
+            )
+        rank, node = _env_int(env, "RANK"), _env_int(env, "GROUP_RANK")
+        if rank is not None and node is not None and rank // local != node:
+            raise PlanError(
+                f"rank {rank} is on torchrun's node {node} (GROUP_RANK), not node {rank // local} = rank // LOCAL_WORLD_SIZE {local}; "
+                "commfx needs the ranks numbered node by node"
+            )
+        return cls(world_size=world_size, **{**fields, "ranks_per_node": local})
 
     @property
     def expert_parallel_size(self) -> int:
@@ -129,6 +173,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    """An integer environment variable (None when unset or empty)."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise PlanError(f"{name}={text!r} in the environment is not an integer") from None
+
+
 @dataclass(frozen=True)
 class PassSpec:
     name: str
@@ -164,9 +219,11 @@ class Plan:
     grad_bucket_bytes: int = 1 << 20
 
     @classmethod
-    def from_cli(cls, passes: str, world_size: int, **topology: Any) -> "Plan":
+    def from_cli(cls, passes: str, world_size: int | None = None, **topology: Any) -> "Plan":
+        """A plan from a pass list as written on the command line; the topology's defaults
+        come from torchrun's environment where there is one (`Topology.from_env`)."""
         specs = tuple(PassSpec.parse(p) for p in _split_passes(passes))
-        return cls(Topology(world_size=world_size, **topology), specs)
+        return cls(Topology.from_env(world_size, **topology), specs)
 
     @property
     def grad_scale(self) -> float:
