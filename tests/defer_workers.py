@@ -15,19 +15,21 @@ OPTIMIZERS = {
 STEPS = 3
 
 
-def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7, micro_batches: int = 1, tied: bool = False) -> dict:
+def train_each_plan(
+    rank: int, world_size: int, plans: list[str], rows: int = 7, micro_batches: int = 1, tied: bool = False, model_spec: str = "gpt-moe-tiny"
+) -> dict:
     """Per plan and optimizer: the losses of STEPS steps (an LR scheduler halving the rate
     after every step; each step accumulates gradients over `micro_batches` backward passes),
     the parameters after them (read through state_dict, which settles deferred updates, and
     after synchronize), and how many parameters were stepped late. `tied`: the LM head
     shares the embedding's weight, as many Hugging Face models do."""
-    _, (ids,) = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
+    _, (ids,) = load_model(model_spec, dtype=torch.float64, batch=rows, seq=8)
     local = (split_batch(ids, world_size, rank),)
     results = {}
     for passes in plans:
-        model, _ = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
+        model, _ = load_model(model_spec, dtype=torch.float64, batch=rows, seq=8)
         if tied:
-            model.lm_head.weight = model.embed.weight
+            model.lm_head.weight = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.embed.weight
         dm = distribute(model, Plan.from_cli(passes, world_size=world_size), local)
         start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
         result = {}

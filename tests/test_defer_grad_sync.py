@@ -43,10 +43,11 @@ def test_deferred_steps_equal_steps_after_a_full_backward():
 
 @pytest.mark.distributed
 def test_a_weight_tied_between_embedding_and_head_is_stepped_late_exactly():
-    """The LM head shares the embedding's weight, as in many Hugging Face models: one
-    parameter whose gradient sums both uses, stepped late."""
+    """An HF model (OLMoE, as transformers builds it) whose LM head shares the embedding's
+    weight: one parameter whose gradient sums both uses, stepped late."""
     plans = [BASE, f"{BASE},defer_grad_sync"]
-    results = launch("defer_workers:train_each_plan", 2, {"plans": plans, "tied": True}, timeout_s=300, collective_timeout_s=60)
+    args = {"plans": plans, "tied": True, "model_spec": "hf:olmoe"}
+    results = launch("defer_workers:train_each_plan", 2, args, timeout_s=300, collective_timeout_s=60)
     _check_equal(results, ((BASE, f"{BASE},defer_grad_sync"),))
 
 
