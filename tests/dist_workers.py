@@ -203,7 +203,8 @@ def changing_shapes(rank: int, world_size: int, spec: str) -> dict:
         logits = out if isinstance(out, torch.Tensor) else out.logits
         logits.sum().backward()
         outputs.append((new, logits.detach()))
-    return {"outputs": outputs, "lowered": len(dm._compiled)}
+    grads = {n.removeprefix("module."): p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None}
+    return {"outputs": outputs, "lowered": len(dm._compiled), "grads": grads, "placement": dm.placement}
 
 
 def backend_shapes(rank: int, world_size: int, dynamic) -> dict:

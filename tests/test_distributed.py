@@ -95,6 +95,15 @@ def test_sequence_length_and_batch_may_change_between_calls(spec):
                 out = model(ids)
             ref = out if isinstance(out, torch.Tensor) else out.logits
             assert got.shape == ref.shape and (got - ref).abs().max() <= 1e-10
+            (ref.sum() / len(results)).backward()  # gradients are averaged over ranks, as with DDP
+    for rank, result in enumerate(results):
+        assert set(result["grads"]) == {n for n, p in model.named_parameters() if p.grad is not None}
+        for name, param in model.named_parameters():
+            expected = param.grad
+            if name in result["placement"]:
+                start, stop = result["placement"][name]
+                expected = expected[start:stop]
+            assert (result["grads"][name] - expected).abs().max() <= 1e-10, (rank, name)
 
 
 @pytest.mark.parametrize("spec", ["gpt-moe-tiny", "hf:qwen3_moe"])
