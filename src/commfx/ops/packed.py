@@ -98,7 +98,7 @@ def _rank_layout(indices: torch.Tensor, kept: torch.Tensor, ranks: int, local_ex
     tokens = torch.arange(n, device=indices.device).unsqueeze(1).expand_as(indices)
     in_rank[(indices // local_experts)[kept], tokens[kept]] = True
     row_rank, row_token = in_rank.nonzero(as_tuple=True)  # row-major: by rank, then token
-    return row_token, row_rank
+    return row_token.clone(), row_rank  # nonzero's column is a view at an offset; the fake's has its own storage
 
 
 @rank_dispatch.register_fake
