@@ -41,15 +41,48 @@ def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return logits.float().pow(2).mean()
 
 
+def step_not_finite(dm, loss: torch.Tensor | None) -> tuple[int, str, str] | None:
+    """(0, 'the loss', 'nan') or (1, 'the gradient of NAME', 'inf'): this rank's loss or first
+    gradient that is NaN or inf this step. Gradients still on the wire (defer_grad_sync) cannot
+    be read here; a NaN in them shows in the next step's loss."""
+    from .verify import not_finite
+
+    found = not_finite([("the loss", loss)])
+    if found:
+        return 0, *found
+    if getattr(dm, "deferred", None) is not None:
+        return None
+    found = not_finite((f"the gradient of {n}", p.grad) for n, p in dm.module.named_parameters())
+    return (1, *found) if found else None
+
+
+def stop_if_not_finite(problems: list, step: int, rank: int) -> bool:
+    """Every rank has gathered every rank's problem: the rank with the first one (a loss before
+    a gradient, which an all-reduce spreads to every rank) raises, the others stop (True)."""
+    from .verify import NonFiniteError
+
+    found = sorted((p[0], r, p[1], p[2]) for r, p in enumerate(problems) if p)
+    if not found:
+        return False
+    _, first, what, kind = found[0]
+    if rank == first:
+        raise NonFiniteError(
+            f"step {step}: {what} on rank {first} is not finite ({kind}); training stopped. Lower --lr, or check the model and its "
+            "inputs (commfx verify compares the distributed run with the single-process model)"
+        )
+    return True
+
+
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .api import distribute
     from .compiler.render import render
     from .runtime.pipeline.module import PipelineModule
-    from .verify import data_share, split_batch
+    from .verify import batch_tensors, call, data_share, local_batch
 
     kwargs = {"batch": config.batch} if config.batch else {}
     model, inputs = load_model(config.model, seed=config.seed, **kwargs)
-    local = tuple(split_batch(t, *data_share(config.plan, rank)) for t in inputs)
+    local = local_batch(inputs, *data_share(config.plan, rank))  # a tuple, or a dict of keyword tensors
+    tensors = batch_tensors(local)
     dm = distribute(model, config.plan, local)
     pipelined = isinstance(dm, PipelineModule)
     if rank == 0 and config.dump_path:
@@ -69,18 +102,22 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         dm.scheduler.stats.reset()
         optimizer.zero_grad(set_to_none=True)
         if pipelined:  # forward and backward over micro-batches; the last stage has the loss
-            loss = dm.step(*local, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs)).loss
+            args, kw = ((), local) if isinstance(local, dict) else (local, {})
+            loss = dm.step(*args, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs), **kw).loss
         else:
-            loss = loss_fn(dm(*local), local)
+            loss = loss_fn(call(dm, local), tensors)
             loss.backward()
+        problem = step_not_finite(dm, loss)
         optimizer.step()
         elapsed = time.perf_counter() - start
         if dm.timeline is not None:
             dm.timeline.step(step + 1, start, start + elapsed)
         stats = dm.scheduler.stats
         gathered = dm.scheduler.all_gather_object(
-            (None if loss is None else loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed, local[0].shape[0])
+            (None if loss is None else loss.item(), stats.total_bytes(), sum(stats.inter_node_bytes.values()), elapsed, tensors[0].shape[0], problem)
         )
+        if stop_if_not_finite([g[5] for g in gathered], step + 1, rank):
+            break
         # ranks without rows this step, and pipeline stages before the last, report no loss
         with_rows = [g[0] for g in gathered if g[4] > 0 and g[0] is not None]
         mean_loss = sum(with_rows) / len(with_rows)

@@ -127,11 +127,11 @@ class NonFiniteError(ValueError):
     """A NaN or inf where training or verifying needs numbers: never a pass."""
 
 
-def not_finite(named) -> str | None:
-    """'name (nan)' for the first floating tensor of (name, tensor) pairs holding NaN or inf."""
+def not_finite(named) -> tuple[str, str] | None:
+    """(name, 'nan' or 'inf') of the first floating tensor of (name, tensor) pairs that is not finite."""
     for name, tensor in named:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return f"{name} ({'nan' if bool(tensor.isnan().any()) else 'inf'})"
+            return name, "nan" if bool(tensor.isnan().any()) else "inf"
     return None
 
 
@@ -169,27 +169,61 @@ def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
     from .compiler.pipeline import compile_program
 
     plan.validate()  # the topology first: the batch is cut by it
+    check_numbers(model, global_inputs)
     smallest = local_batch(global_inputs, *data_share(plan, plan.topology.world_size - 1))
-    rows = next(iter(smallest.values() if isinstance(smallest, dict) else smallest)).shape[0]
+    rows = batch_tensors(smallest)[0].shape[0]
     compile_program(model, plan, smallest if rows else local_batch(global_inputs, *data_share(plan, 0)))
 
 
-def probes(outputs: list[torch.Tensor], global_rows: int, seed: int) -> list[torch.Tensor]:
+def check_numbers(model: torch.nn.Module, inputs) -> None:
+    """NaN in the inputs or in a buffer, NaN or inf in a parameter, is an error before anything
+    runs: every result computed from it would be NaN (an input or buffer may hold inf on
+    purpose, as an additive mask)."""
+    from .compiler.inputs import input_names
+
+    named = [(f"input {name}", t, False) for name, t in zip(input_names(model, inputs), batch_tensors(inputs))]
+    named += [(f"parameter {n}", p, True) for n, p in model.named_parameters()]
+    named += [(f"buffer {n}", b, False) for n, b in model.named_buffers()]
+    for what, tensor, inf_too in named:
+        if not tensor.is_floating_point():
+            continue
+        bad = ~torch.isfinite(tensor) if inf_too else torch.isnan(tensor)
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]] if tensor.dim() else []
+            kind = "NaN" if bool(tensor.isnan().any()) else "inf"
+            raise NonFiniteError(
+                f"{what} holds {kind} (first at {first}; {int(bad.sum())} of {tensor.numel()} values): every "
+                "output, loss and gradient computed from it would be NaN. Fix the model file or its data "
+                "(torch.isnan(t).nonzero() lists them)."
+            )
+
+
+def probes(outputs: list[torch.Tensor], rows: int | list[int], seed: int) -> list[torch.Tensor]:
+    """Fixed random tensors shaped like `outputs`, with `rows` rows (one count, or one per output)."""
     generator = torch.Generator().manual_seed(seed + 12345)
-    return [torch.randn((global_rows, *o.shape[1:]), generator=generator, dtype=o.dtype) for o in outputs]
+    counts = rows if isinstance(rows, list) else [rows] * len(outputs)
+    return [torch.randn((n, *o.shape[1:]), generator=generator, dtype=o.dtype) for n, o in zip(counts, outputs)]
 
 
-def per_rank(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-    """A model that returns its own loss (every output a scalar over its batch): each as one
-    row, so the ranks' rows stack to one loss per data shard, what data parallelism averages.
-    Returns (outputs, whether they are losses)."""
-    scalars = [o.dim() == 0 for o in outputs]
-    if any(scalars) and not all(scalars):
-        raise ValueError(
-            "verify: the model returns a scalar (a loss over its batch) beside batched outputs; return the loss "
-            "alone, or the outputs without it (verify then builds its own loss from them)"
-        )
-    return [o.reshape(1) if o.dim() == 0 else o for o in outputs], bool(scalars) and all(scalars)
+def per_rank(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
+    """A scalar output is a loss over the rank's batch (an HF model's with labels=): each as one
+    row, so the ranks' rows stack to one loss per data shard, what data parallelism averages;
+    batched outputs (logits beside it) keep their rows. Returns (outputs, which are losses)."""
+    return [o.reshape(1) if o.dim() == 0 else o for o in outputs], [o.dim() == 0 for o in outputs]
+
+
+def probe_rows(losses: list[bool], shards: int, global_rows: int) -> list[int]:
+    """Rows of each output's probe: one per data shard for a loss, the global batch's otherwise."""
+    return [shards if loss else global_rows for loss in losses]
+
+
+def batch_size(inputs) -> tuple[int, int]:
+    """(rows, tokens) of a batch: sequences along dim 0, and tokens (every id of integer
+    inputs; [batch, seq, hidden] features count batch x seq)."""
+    from .compiler.capture import tokens_of
+
+    tensors = batch_tensors(inputs)
+    return tensors[0].shape[0], tokens_of(tuple(tensors))
 
 
 def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[dict]:
@@ -203,23 +237,26 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
     for case in cases:
         model, inputs = build_case_model(case)
         parts, part = data_share(case.plan, rank)
-        local = tuple(split_batch(t, parts, part) for t in inputs)
+        local = local_batch(inputs, parts, part)
         # Every value is compared with the reference, so a replica that differs fails by its numbers.
         dm = distribute(model, case.plan, local, replicas="off")
-        global_rows = inputs[0].shape[0]
+        global_rows = batch_tensors(inputs)[0].shape[0]
+        rows, tokens = batch_size(local)
         if isinstance(dm, PipelineModule):
             results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed))
-            results[-1]["rewrites"] = rewrite_census(dm.program, case.plan)
+            results[-1].update(rows=rows, tokens=tokens, rewrites=rewrite_census(dm.program, case.plan))
             continue
-        outputs, losses = per_rank(pytree.tree_flatten(dm(*local))[0])
-        loss = sum((o * split_batch(p, parts, part)).sum() for o, p in zip(outputs, probes(outputs, parts if losses else global_rows, case.seed)))
+        outputs, losses = per_rank(pytree.tree_flatten(call(dm, local))[0])
+        mine = [split_batch(p, parts, part) for p in probes(outputs, probe_rows(losses, parts, global_rows), case.seed)]
+        loss = sum((o * p).sum() for o, p in zip(outputs, mine))
         loss.backward()
         results.append(
             {
                 "outputs": [o.detach() for o in outputs],
                 "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
                 "placement": dm.placement,
-                "tokens": int(local[0].numel()),
+                "rows": rows,
+                "tokens": tokens,
                 "rewrites": rewrite_census(dm.program, case.plan),
             }
         )
@@ -236,7 +273,8 @@ def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: i
         mine = [split_batch(p, parts, part)[microbatch.rows] for p in probes(flat, global_rows, seed)]
         return sum((o * p).sum() for o, p in zip(flat, mine))
 
-    result = dm.step(*local, loss_fn=loss_fn, scale_grads=False)
+    args, kwargs = ((), local) if isinstance(local, dict) else (local, {})
+    result = dm.step(*args, loss_fn=loss_fn, scale_grads=False, **kwargs)
     per_mb = [pytree.tree_flatten(o)[0] for o in result.outputs]
     outputs = [torch.cat([mb[i] for mb in per_mb]) for i in range(len(per_mb[0]))] if per_mb else []
     return {
@@ -244,7 +282,6 @@ def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: i
         "has_outputs": dm.is_last,
         "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
         "placement": dm.placement,
-        "tokens": int(local[0].numel()),
     }
 
 
@@ -257,26 +294,32 @@ def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], di
     capacity = plan_options(case.plan, "expert_parallel").capacity_factor if "expert_parallel" in case.plan.pass_names() else 0.0
     if capacity <= 0:
         with training_forward(model):
-            outputs, _ = pytree.tree_flatten(model(*inputs))
+            outputs, _ = pytree.tree_flatten(call(model, inputs))
         if any(o.dim() == 0 for o in outputs):  # the model returns its loss: one per data shard
             return _per_shard_reference(case, model, inputs, case.plan.topology.dp, scale)
-        loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
+        loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, batch_tensors(inputs)[0].shape[0], case.seed)))
         (loss * scale).backward()
         return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return _capacity_reference(case, model, inputs, case.plan.topology.dp, scale, capacity)
 
 
 def _per_shard_reference(case, model, inputs, shards, scale):
-    """A model that returns its own loss: each data shard's loss, as data parallelism sees it."""
+    """A model that returns its own loss: each data shard's loss, as data parallelism sees it
+    (a shard without rows contributes a zero loss and no rows, as its rank does)."""
     from torch.utils import _pytree as pytree
 
     model.zero_grad(set_to_none=True)
-    pieces = []
+    pieces: dict[int, list[torch.Tensor]] = {}
     with training_forward(model):
         for rank in range(shards):
-            pieces.append(per_rank(pytree.tree_flatten(model(*(split_batch(t, shards, rank) for t in inputs)))[0])[0])
-    outputs = [torch.cat([piece[i] for piece in pieces]) for i in range(len(pieces[0]))]
-    loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, shards, case.seed)))
+            local = local_batch(inputs, shards, rank)
+            if batch_tensors(local)[0].shape[0]:
+                pieces[rank], losses = per_rank(pytree.tree_flatten(call(model, local))[0])
+    some = next(iter(pieces.values()))
+    empty = [o.new_zeros((1 if loss else 0, *o.shape[1:])) for o, loss in zip(some, losses)]
+    outputs = [torch.cat([pieces.get(rank, empty)[i] for rank in range(shards)]) for i in range(len(some))]
+    rows = probe_rows(losses, shards, batch_tensors(inputs)[0].shape[0])
+    loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, rows, case.seed)))
     (loss * scale).backward()
     return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -290,15 +333,16 @@ def _capacity_reference(case, model, inputs, shards, scale, capacity):
     from .runtime.comm import install_default, local_scheduler
 
     single = Plan(Topology(world_size=1), (PassSpec("lift"),))
-    program = compile_program(copy.deepcopy(model), single, tuple(split_batch(t, shards, 0) for t in inputs))
+    program = compile_program(copy.deepcopy(model), single, local_batch(inputs, shards, 0))
     set_capacity(program, capacity)
     install_default(local_scheduler())
     pieces = []
     for rank in range(shards):
-        local = tuple(split_batch(t, shards, rank) for t in inputs)
-        pieces.append(list(program.gm(*local)))
+        local = local_batch(inputs, shards, rank)
+        graph_inputs = [local[name] for name in program.input_names] if isinstance(local, dict) else local
+        pieces.append(list(program.gm(*graph_inputs)))
     outputs = [torch.cat([piece[i] for piece in pieces]) for i in range(len(pieces[0]))]
-    loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, inputs[0].shape[0], case.seed)))
+    loss = sum((o * p).sum() for o, p in zip(outputs, probes(outputs, batch_tensors(inputs)[0].shape[0], case.seed)))
     (loss * scale).backward()
     grads = {n: p.grad for n, p in program.gm.named_parameters() if p.grad is not None}
     outputs, _ = pytree.tree_flatten(outputs)
@@ -324,19 +368,47 @@ def low_precision_tolerances(case: VerifyCase, ref_grads: dict[str, torch.Tensor
     return judged
 
 
-def compare(case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float) -> VerifyReport:
+def checked_reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The reference, which must be finite: if the model as given computes NaN or inf on the
+    whole batch, there is nothing to compare the distributed run with."""
+    ref_outputs, ref_grads = reference(case, world_size)
+    found = not_finite([*((f"output {i}", o) for i, o in enumerate(ref_outputs)), *((f"grad {n}", g) for n, g in ref_grads.items())])
+    if found:
+        raise NonFiniteError(
+            f"the single-process reference is not finite: {found[0]} ({found[1]}). The model as given (float64, the "
+            "whole batch, no commfx) computes it, so there is nothing to verify against; fix the model or its inputs."
+        )
+    return ref_outputs, ref_grads
+
+
+def ranks_not_finite(rank_results: list[dict]) -> list[str]:
+    """'output 0 on rank 1 (nan)': the first non-finite value of each rank that has one, outputs
+    before gradients (a gradient all-reduce spreads one rank's NaN to every rank)."""
+    found: dict[int, str] = {}
+    for kind in ("output", "grad"):
+        for rank, result in enumerate(rank_results):
+            named = enumerate(result["outputs"]) if kind == "output" else result["grads"].items()
+            first = not_finite((f"{kind} {name}", t) for name, t in named)
+            if first and rank not in found:
+                found[rank] = f"{first[0]} on rank {rank} ({first[1]})"
+    return list(found.values())
+
+
+def compare(
+    case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float, ref: tuple | None = None
+) -> VerifyReport:
     from .compiler.sharding import assemble
 
-    ref_outputs, ref_grads = reference(case, world_size)
+    ref_outputs, ref_grads = ref if ref is not None else reference(case, world_size)
     topology = case.plan.topology
     tp = topology.tp
     with_outputs = [r for r in rank_results if r.get("has_outputs", True)]  # a pipeline's last stages
     # One rank per data shard gives the global output; the others of its tp group must agree.
     outputs = [torch.cat([r["outputs"][i] for r in with_outputs[::tp]]) for i in range(len(ref_outputs))]
-    output_diff = max((o - r).abs().max().item() for o, r in zip(outputs, ref_outputs))
+    output_diff = worst(max_abs_diff(o, r) for o, r in zip(outputs, ref_outputs))
     for i, result in enumerate(with_outputs):
         lead = with_outputs[i // tp * tp]
-        output_diff = max([output_diff] + [(a - b).abs().max().item() for a, b in zip(result["outputs"], lead["outputs"])])
+        output_diff = worst([output_diff] + [max_abs_diff(a, b) for a, b in zip(result["outputs"], lead["outputs"])])
     ep = topology.expert_parallel_size
     grad_diffs, replica_diff = {}, 0.0
     for name, ref in ref_grads.items():
@@ -353,8 +425,8 @@ def compare(case: VerifyCase, rank_results: list[dict], world_size: int, toleran
         else:
             replicas = [r["grads"][name] for r in holders]
         full = replicas[0]
-        grad_diffs[name] = (full - ref).abs().max().item()
-        replica_diff = max([replica_diff] + [(x - full).abs().max().item() for x in replicas])
+        grad_diffs[name] = max_abs_diff(full, ref)
+        replica_diff = worst([replica_diff] + [max_abs_diff(x, full) for x in replicas])
     missing = set().union(*(r["grads"] for r in rank_results)) ^ set(ref_grads)
     if missing:
         raise AssertionError(f"gradients present on one side only: {sorted(missing)}")
@@ -365,20 +437,26 @@ def compare(case: VerifyCase, rank_results: list[dict], world_size: int, toleran
         replica_diff,
         tolerance,
         [r["tokens"] for r in rank_results],
+        rows_per_rank=[r["rows"] for r in rank_results],
+        not_finite=ranks_not_finite(rank_results),
         low_precision=low_precision_tolerances(case, ref_grads, tolerance),
         rewrites=rank_results[0]["rewrites"],
     )
 
 
 def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float = 600.0) -> list[VerifyReport]:
-    """Launch `world_size` local gloo ranks, run every case, compare with the reference."""
+    """Launch `world_size` local gloo ranks, run every case, compare with the reference. What
+    fails without ranks (the plan, capture, a non-finite model, input or reference) fails
+    here first, before any rank starts."""
     from .runtime.launcher import launch
 
+    references = []
     for case in cases:
         if case.plan.topology.world_size != world_size:
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
         model, inputs = build_case_model(case)
         preflight(model, case.plan, inputs)
+        references.append(checked_reference(case, world_size))
     collective_timeout_s = max(case.plan.collective_timeout_s for case in cases)
     results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
-    return [compare(case, [r[i] for r in results], world_size, tolerance) for i, case in enumerate(cases)]
+    return [compare(case, [r[i] for r in results], world_size, tolerance, references[i]) for i, case in enumerate(cases)]

@@ -120,8 +120,21 @@ def cmd_verify(args) -> int:
         console.print(f"* grad {name}: judged at {tol:.3g}: {why}", soft_wrap=True)
     for name, found in report.rewrites.items():
         console.print(f"rewrite {name}: " + (", ".join(f"{what} x{n}" for what, n in found.items()) or "nothing (a no-op fails)"), soft_wrap=True)
-    console.print(f"tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)")
+    console.print(
+        f"sequences per rank: {report.rows_per_rank}; tokens per rank: {report.tokens_per_rank}   ({time.perf_counter() - start:.1f}s)"
+    )
+    for rank in (r for r, rows in enumerate(report.rows_per_rank) if rows == 0):
+        console.print(
+            f"rank {rank} had no rows (the global batch is smaller than the data-parallel size): it took part in every "
+            "collective on a stand-in row, returned empty outputs and contributed zero gradients",
+            soft_wrap=True,
+        )
     verdict = ("PASS", "green") if report.ok else ("FAIL", "red")
+    if report.not_finite:  # the reference is finite (checked before the ranks started): the distributed run made these
+        detail = f"not finite: {', '.join(report.not_finite)}, where the single-process reference is finite"
+        others = [f for f in report.failures if not f.startswith("not finite")]
+        console.print(Text.assemble(verdict, f": {detail}" + (f"; also over tolerance: {', '.join(others)}" if others else "")), soft_wrap=True)
+        return 1
     detail = "" if report.ok else f"; over tolerance: {', '.join(report.failures)}"
     console.print(Text.assemble(verdict, f": largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}"), soft_wrap=True)
     return 0 if report.ok else 1
