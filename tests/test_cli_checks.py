@@ -125,3 +125,36 @@ def test_verify_passes_and_says_so_when_a_rank_has_no_rows(capsys):
     assert "sequences per rank: [1, 0]; tokens per rank: [16, 0]" in out
     assert "rank 1 had no rows" in out.replace("\n", " ")
     assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+# ---------------------------------------------------------------- inputs against the forward, the model's own exceptions
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("hf_typo", "input 'input_idz' is not a parameter of MixtralForCausalLM.forward (did you mean 'input_ids'?); "
+                    "it takes input_ids, attention_mask, position_ids,"),
+        ("hf_label", "input 'label' is not a parameter of MixtralForCausalLM.forward (did you mean 'labels'?)"),
+        ("float_ids", "input input_ids is torch.float32 but holds token ids, which index an embedding: pass an integer "
+                      "tensor (torch.long, e.g. input_ids.long())"),
+    ],
+)
+def test_inputs_that_do_not_fit_the_forward_are_named_before_capture(capsys, no_launch, function, message):
+    """They used to surface as a graph break with advice about control flow, or as 'expected 2
+    tensor inputs in the graph, found 1'."""
+    out = one_error(capsys, ["run", model(function), "--world-size", "2"])
+    assert message in out and "graph break" not in out, out
+
+
+def test_a_forward_that_raises_shows_its_own_exception(capsys, no_launch):
+    out = one_error(capsys, ["verify", model("raises"), "--world-size", "2"])
+    assert f"Raises.forward raised ValueError: forward is not written yet (at {MODELS}:" in out, out
+    assert "graph break" not in out
+
+
+@pytest.mark.distributed
+def test_a_forward_that_raises_on_one_rank_shows_its_own_exception(capsys):
+    out = one_error(capsys, ["run", model("raises_on_rank1"), "--world-size", "2", "--steps", "1"])
+    assert out.startswith("training") and "error: rank 1 failed (its code raised)" in out, out
+    assert "RaisesOnRank1.forward raised ValueError: rank 1's shard of the data is corrupt" in out and "graph break" not in out, out

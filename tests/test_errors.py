@@ -139,7 +139,7 @@ def model_file(tmp_path):
     "function, extra, message",
     [
         ("swapped", [], "returned (tuple, GPTMoE): the order is (model, example_inputs); swap them"),
-        ("wrong_keyword", [], "cannot take the example inputs (0 positional, idx=)"),
+        ("wrong_keyword", [], "input 'idx' is not a parameter of GPTMoE.forward; it takes input_ids."),
         ("raises", [], "raised RuntimeError: no weights here (at "),
         ("nope", [], "has no function 'nope'"),
         ("keywords", ["--batch", "3"], "--batch 3 does not apply to a model file"),

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..models.hf import choose_experts_implementation, training_forward
+from .inputs import check_inputs, forward_exception
 from .program import Program
 
 
@@ -36,6 +37,7 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
     when labels are passed).
     """
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    check_inputs(model, args, kwargs)
     empty = [name for name, t in [*((f"input {i}", t) for i, t in enumerate(args)), *kwargs.items()] if t.dim() and t.shape[0] == 0]
     if empty:
         raise CaptureError(
@@ -76,6 +78,12 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
         with training_forward(model):
             output = torch.compile(model, backend=record, fullgraph=True)(*args, **kwargs)
     except Exception as error:  # dynamo raises Unsupported, UserError, constraint violations...
+        raised = forward_exception(model, args, kwargs)  # the model's own error, which eager hits too
+        if raised is not None:
+            raise CaptureError(
+                f"{type(model).__name__}.forward raised {raised}. The model raises this itself (its eager forward "
+                "does too, without commfx): fix it there."
+            ) from None
         raise CaptureError(_graph_break_message(type(model).__name__, error)) from None
     finally:
         torch._dynamo.reset()

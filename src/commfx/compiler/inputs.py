@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-# Parameter names that hold token ids (indices into an embedding).
-_ID_NAMES = re.compile(r"(^|_)ids$|^idx$|^labels?$|^indices$|^tokens?$")
+# Parameter names that hold token ids (indices into an embedding); not labels, which a
+# regression head takes as floats.
+_ID_NAMES = re.compile(r"(^|_)ids$|^idx$|^indices$|^tokens?$")
 _COMMFX = str(Path(__file__).resolve().parents[1])
 
 
