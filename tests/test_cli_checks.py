@@ -158,3 +158,11 @@ def test_a_forward_that_raises_on_one_rank_shows_its_own_exception(capsys):
     out = one_error(capsys, ["run", model("raises_on_rank1"), "--world-size", "2", "--steps", "1"])
     assert out.startswith("training") and "error: rank 1 failed (its code raised)" in out, out
     assert "RaisesOnRank1.forward raised ValueError: rank 1's shard of the data is corrupt" in out and "graph break" not in out, out
+
+
+def test_pp_on_blocks_not_in_a_module_list_says_what_was_expected_and_found(capsys, no_launch):
+    """The blocks are attributes `first` and `second`: the error names the layout pipeline_split
+    deals out and the model's own repeated modules (it said 'NamedBlocks has 0 layer(s)')."""
+    out = one_error(capsys, ["dump", model("named_blocks"), "--world-size", "2", "--pp", "2", "--passes", "lift,pipeline_split"])
+    assert "an nn.ModuleList of blocks named like layers.0, layers.1 (or model.layers.<i>)" in out, out
+    assert "NamedBlocks has none; its repeated modules are first, second (DecoderLayer)" in out, out

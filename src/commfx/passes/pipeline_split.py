@@ -68,6 +68,18 @@ class PipelineSplit(Pass):
             raise PlanError("pipeline_split needs at least 2 pipeline stages; set the pipeline-parallel size (--pp 2)")
         if model is not None:
             layers = _count_model_layers(model)
+            if layers == 0:  # name what was expected and the model's own repeated (outermost, non-torch) modules
+                from collections import Counter
+
+                counts = Counter(type(m) for m in model.modules())
+                repeated = [(n, type(m)) for n, m in model.named_modules() if n and counts[type(m)] > 1 and not type(m).__module__.startswith("torch.")]
+                outer = [(n, cls) for n, cls in repeated if not any(n.startswith(p + ".") for p, _ in repeated)]
+                found = "; ".join(f"{', '.join(n for n, c in outer if c is cls)} ({cls.__name__})" for cls in dict.fromkeys(c for _, c in outer))
+                raise PlanError(
+                    f"pipeline_split deals out an nn.ModuleList of blocks named like layers.0, layers.1 (or model.layers.<i>) "
+                    f"to the {pp} stages; {type(model).__name__} has none; its repeated modules are {found or 'none'}. "
+                    "Keep the blocks in an nn.ModuleList (self.layers = nn.ModuleList([...]))"
+                )
             if layers < pp:
                 raise PlanError(
                     f"{type(model).__name__} has {layers} layer(s) to deal out but the plan asks for {pp} pipeline "
