@@ -166,3 +166,17 @@ def test_pp_on_blocks_not_in_a_module_list_says_what_was_expected_and_found(caps
     out = one_error(capsys, ["dump", model("named_blocks"), "--world-size", "2", "--pp", "2", "--passes", "lift,pipeline_split"])
     assert "an nn.ModuleList of blocks named like layers.0, layers.1 (or model.layers.<i>)" in out, out
     assert "NamedBlocks has none; its repeated modules are first, second (DecoderLayer)" in out, out
+
+
+def test_the_empty_example_error_says_what_the_code_does():
+    """Capture needs an example row; a rank without rows at run time is fine (distribute and the
+    CLI capture on a stand-in row), so the message no longer says every rank needs one."""
+    from commfx.compiler.capture import CaptureError, capture
+    from commfx.models import load_model
+
+    tiny, (ids,) = load_model("gpt-moe-tiny", batch=1)
+    with pytest.raises(CaptureError) as info:
+        capture(tiny, (ids[:0],))
+    message = str(info.value)
+    assert message.startswith("capture traces the forward on the example inputs, which have no rows (input 0)"), message
+    assert "A rank may have no rows at run time" in message and "Every rank needs" not in message, message

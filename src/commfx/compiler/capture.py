@@ -41,9 +41,10 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
     empty = [name for name, t in [*((f"input {i}", t) for i, t in enumerate(args)), *kwargs.items()] if t.dim() and t.shape[0] == 0]
     if empty:
         raise CaptureError(
-            f"this rank's batch has no rows ({', '.join(empty)}): the global batch has fewer rows than there are "
-            "ranks. Every rank needs at least one row (models reshape by the batch, e.g. view(0, heads, -1), which "
-            "cannot run on an empty batch even eagerly); use a global batch of at least the world size."
+            f"capture traces the forward on the example inputs, which have no rows ({', '.join(empty)}): models "
+            "reshape by the batch (view(0, heads, -1)), which cannot run on an empty batch even eagerly. Pass an "
+            "example with at least one row. (A rank may have no rows at run time: commfx.distribute and the CLI "
+            "capture on a stand-in row, and that rank takes part in every collective and contributes nothing.)"
         )
     signature = _signature(model)
     if signature is not None:
