@@ -208,18 +208,44 @@ def changing_shapes(rank: int, world_size: int, spec: str) -> dict:
 
 
 def backend_shapes(rank: int, world_size: int, dynamic) -> dict:
-    """torch.compile with the commfx backend; new shapes arrive, on one rank only at step 2."""
+    """torch.compile with the commfx backend; new shapes arrive, on one rank only at step 2.
+    Each step: ids, probe, output and gradients; each backend compile: the collectives it
+    ran, and its forward graph's all-to-alls."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
     import commfx
 
     model, _ = load_model("gpt-moe-tiny", dtype=torch.float64)
-    compiled = torch.compile(model, backend=commfx.backend(Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=world_size)), dynamic=dynamic)
+    be = commfx.backend(Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=world_size))
+    compiles = []
+
+    def counting(gm, example_inputs):
+        calls = []
+        names = ("all_gather_object", "all_reduce", "all_to_all_single", "broadcast", "barrier", "monitored_barrier", "isend", "irecv", "new_group")
+        patches = [mock.patch.object(dist, n, lambda *a, _n=n, _f=getattr(dist, n), **k: calls.append(_n) or _f(*a, **k)) for n in names]
+        for patch in patches:
+            patch.start()
+        try:
+            return be(gm, example_inputs)
+        finally:
+            for patch in patches:
+                patch.stop()
+            compiles.append(calls)
+
+    compiled = torch.compile(model, backend=counting, dynamic=dynamic)
     shapes = [(2, 16), (3 if rank == 0 else 2, 16), (3, 12)]
-    outputs = []
-    for batch, seq in shapes:
+    steps = []
+    for step, (batch, seq) in enumerate(shapes):
         ids = torch.randint(0, 32, (batch, seq), generator=torch.Generator().manual_seed(10 * rank + batch + seq))
+        probe = torch.randn((batch, seq, 32), generator=torch.Generator().manual_seed(100 * rank + step), dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
         out = compiled(ids)
-        outputs.append((ids, out.detach()))
-    return {"outputs": outputs}
+        (out * probe).sum().backward()
+        steps.append({"ids": ids, "probe": probe, "output": out.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+    a2a = torch.ops.commfx.all_to_all_start.default
+    return {"steps": steps, "compiles": compiles, "all_to_alls": [sum(n.target is a2a for n in g["forward"].graph.nodes) for g in be.graphs]}
 
 
 def empty_rank(rank: int, world_size: int, spec: str) -> dict:

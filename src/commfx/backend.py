@@ -11,7 +11,11 @@ that owns them, so they are summed over the whole world.
 
 dynamo may hand several graphs (graph breaks in HF's mask and loss code, or the user's
 own): each is lowered and run by the runtime (so its parameters' gradients are synchronised
-too), and only graphs with an MoE block get the MoE passes.
+too), and only graphs with an MoE block get the MoE passes. A graph takes its parameters
+and buffers as inputs on every call: after a break inside a layer, dynamo calls the same
+graph for every layer, each time with that layer's weights. Weights used outside every
+graph get no gradient sync: a graph break inside a Python loop makes dynamo run that whole
+frame eagerly (a model's embeddings and head, when its layer loop breaks).
 
 The name "commfx" is registered through the `torch_dynamo_backends` entry point; used by
 name it reads the pass list from COMMFX_PASSES (default lift,expert_parallel) and the
@@ -21,6 +25,7 @@ world from the initialised process group.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import re
@@ -58,7 +63,7 @@ class CommfxBackend:
         self._syncs: list[GradientSync] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        program, positions = _program_from_dynamo(gm, example_inputs)
+        program, positions, bound = _program_from_dynamo(gm, example_inputs)
         scheduler = self._scheduler_for_world()
         user_inputs = [example_inputs[i] for i in positions]
         if self._agreed_tokens is None:
@@ -67,11 +72,11 @@ class CommfxBackend:
             self._agreed_tokens = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
         program.annotations["tokens_per_rank"] = self._agreed_tokens
         run_passes(program, self.plan, where_applicable=True)
+        lowering, bound = _tensors_as_inputs(program.gm, bound)
         # The user's parameters are full-size (experts sliced in-graph), so every gradient,
         # expert rows included, is summed over the world.
-        sync = configure_comm(
-            program, self.plan, scheduler, program.gm.named_parameters(remove_duplicate=False), group_of=lambda _: "world"
-        )
+        parameters = [(name, example_inputs[i]) for name, i in bound if isinstance(example_inputs[i], torch.nn.Parameter)]
+        sync = configure_comm(program, self.plan, scheduler, parameters, group_of=lambda _: "world")
         self._syncs.append(sync)
         graphs: dict[str, fx.GraphModule] = {}
 
@@ -83,14 +88,16 @@ class CommfxBackend:
             graphs["backward"] = graph_module
             return lambda *args: BackwardExecutor(graph_module, scheduler, sync).run(*args)
 
+        sources = [i for _, i in bound] + positions
         with _dynamic_output_shapes(user_inputs):
-            compiled = compile_training(program.gm, user_inputs, forward=forward, backward=backward, fake_inputs=True)
+            compiled = compile_training(lowering, [example_inputs[i] for i in sources], forward=forward, backward=backward, fake_inputs=True)
         self.programs.append(program)
         self.graphs.append(graphs)
 
         def run(*args):
-            # dynamo may call with all its graph inputs or with the user's tensors only.
-            return compiled(*(args if len(args) == len(positions) else [args[i] for i in positions]))
+            # dynamo passes every graph input each call, parameters too: a graph it reuses
+            # (one layer's code called for every layer) gets each call's own weights.
+            return compiled(*[args[i] for i in sources])
 
         return run
 
@@ -170,18 +177,50 @@ def _shard_in_graph(plan: Plan) -> Plan:
     return dataclasses.replace(plan, passes=passes)
 
 
-def _program_from_dynamo(gm: fx.GraphModule, example_inputs: list) -> tuple[Program, list[int]]:
-    names = {}
+def _program_from_dynamo(gm: fx.GraphModule, example_inputs: list) -> tuple[Program, list[int], list[tuple[str, int]]]:
+    """The Program (parameters and buffers as attributes, for the passes), the positions of
+    the user's tensors among dynamo's inputs, and (attribute name, position) of each
+    parameter and buffer dynamo passes.
+
+    The Program gets a copy of the graph: dynamo's gm shares dynamo's own graph, and dynamo
+    builds the call of the compiled function from the placeholders left in it once the
+    backend returns, so rewriting it in place would drop the weights from every call."""
+    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    names, bound = {}, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
+    for position, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(value, torch.nn.Parameter) or (isinstance(value, torch.Tensor) and "_buffers_" in node.name):
-            names[id(value)] = _qualified_name(node.name)
+            if id(value) not in names:
+                names[id(value)] = _qualified_name(node.name)
+                bound.append((names[id(value)], position))
     num_inputs = sum(
         1 for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor) and id(v) not in names
     )
     positions = to_fx_convention(gm, list(example_inputs), names, num_inputs)
     out_spec = pytree.tree_flatten(tuple(range(len(list(gm.graph.nodes)[-1].args[0]))))[1]
-    return Program(gm=gm, modules={}, out_spec=out_spec), positions
+    return Program(gm=gm, modules={}, out_spec=out_spec), positions, bound
+
+
+def _tensors_as_inputs(gm: fx.GraphModule, bound: list[tuple[str, int]]) -> tuple[fx.GraphModule, list[tuple[str, int]]]:
+    """A copy of `gm` for lowering whose `bound` attributes are leading inputs again,
+    parameters before buffers (aot_autograd's order, so the backward's first outputs are
+    the parameters' gradients), and the bound attributes in that order.
+
+    The passes see them as attributes, but they are dynamo's graph inputs: dynamo reuses
+    a graph wherever the same code runs (every layer's forward after a graph break) and
+    passes that call's weights. Left as attributes, aot_autograd would fix the first
+    call's tensors in the compiled function."""
+    parameters = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    bound = sorted(bound, key=lambda b: b[0] not in parameters)
+    graph, env = fx.Graph(), {}
+    inputs = {name: graph.placeholder(name.replace(".", "_")) for name, _ in bound}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in inputs:
+            env[node] = inputs[node.target]
+            env[node].meta.update(node.meta)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph), bound  # copies only the attributes still read
 
 
 def _qualified_name(placeholder: str) -> str:
