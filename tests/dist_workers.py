@@ -367,3 +367,85 @@ def diverging_replicas(rank: int, world_size: int, replicas: str) -> dict:
     except PlanError as error:
         return {"error": str(error)}
     return {"digests": {name: digest(p) for name, p in dm.named_parameters() if "experts" not in name}}
+
+
+def recapture_for_labels(rank: int, world_size: int, spec: str, passes: str, tp: int) -> dict:
+    """distribute an HF model with input_ids only, then train with labels= (a re-capture) and
+    alternate with eval calls without them (both programs cached); one SGD step in between
+    must reach both programs (the parameters are shared)."""
+    import contextlib
+    import gc
+    import io
+    import weakref
+
+    model, (ids,) = load_model(spec, dtype=torch.float64, batch=2 * world_size)
+    local = split_batch(ids, world_size // tp, rank // tp)  # a tensor-parallel group reads the same rows
+    full = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    dm = distribute(model, Plan.from_cli(passes, world_size=world_size, tp=tp), (local,))
+    del model  # the module keeps no full-size copy (a skeleton with stand-ins re-captures)
+    gc.collect()
+    full_alive = sorted(n for n in dm.placement if full[n]() is not None)
+    params_before = [(n, id(p)) for n, p in dm.named_parameters()]
+    keys_before = list(dm.state_dict())
+    optimizer = torch.optim.SGD(dm.parameters(), lr=0.5)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        with torch.no_grad():
+            first_eval = dm(input_ids=local).logits  # the captured inputs
+        out = dm(input_ids=local, labels=local)  # new inputs: re-captured
+        out.loss.backward()
+        grads = {n.removeprefix("module."): p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            eval_after = dm(input_ids=local).logits  # cached; sees the step
+        again = dm(input_ids=local, labels=local)  # cached
+        again.loss.backward()
+    return {
+        "type": type(out).__name__,
+        "first_eval": first_eval,
+        "loss": out.loss.detach(),
+        "logits": out.logits.detach(),
+        "grads": grads,
+        "eval_after": eval_after,
+        "loss_after": again.loss.detach(),
+        "grads_after": {n.removeprefix("module."): p.grad.clone() for n, p in dm.named_parameters() if p.grad is not None},
+        "captures": [sorted(names) for names in dm._captures],
+        "same_parameters": [(n, id(p)) for n, p in dm.named_parameters()] == params_before,
+        "own_parameters": all(
+            id(p) in {id(q) for q in dm.parameters()} for c in dm._captures.values() for p in c.gm.parameters()
+        ),
+        "same_keys": list(dm.state_dict()) == keys_before,
+        "stderr": stderr.getvalue(),
+        "placement": dm.placement,
+        "full_alive": full_alive,
+        "rows": local,
+    }
+
+
+def recapture_refused(rank: int, world_size: int, cases: list) -> dict:
+    """A plan whose pass keeps runtime state by op id refuses a new set of inputs by name; so
+    does a module at its max_captures, and every rank when the ranks call with different inputs."""
+    model, (ids,) = load_model("hf:olmoe", dtype=torch.float64, batch=2 * world_size)
+    local = split_batch(ids, world_size, rank)
+    errors = {}
+    for passes in cases:
+        dm = distribute(model, Plan.from_cli(passes, world_size=world_size), (local,))
+        try:
+            dm(input_ids=local, labels=local)
+            errors[passes] = ""
+        except TypeError as error:
+            errors[passes] = str(error)
+    dm = distribute(model, Plan.from_cli("lift,expert_parallel", world_size=world_size), (local,))
+    dm.max_captures = 1
+    try:
+        dm(input_ids=local, labels=local)
+    except RuntimeError as error:
+        errors["max_captures"] = str(error)
+    dm.max_captures = 4
+    other = {"labels": local} if rank == 0 else {"attention_mask": torch.ones_like(local)}
+    try:
+        dm(input_ids=local, **other)  # ranks disagree: refused on every rank before any captures
+    except TypeError as error:
+        errors["spmd"] = str(error)
+    return errors

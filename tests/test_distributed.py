@@ -131,3 +131,83 @@ def test_a_rank_without_rows_takes_part_and_contributes_nothing(spec):
                 start, stop = result["placement"][name]
                 expected = expected[start:stop]
             assert (result["grads"][name] - expected).abs().max() <= 1e-10, (name, result["rows"])
+
+
+@pytest.mark.parametrize(
+    "spec, passes, tp",
+    [
+        ("hf:olmoe", "lift,expert_parallel,partition_a2a:k=2", 1),
+        pytest.param("hf:llama", "lift,tensor_parallel", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_new_inputs_recapture_and_share_parameters(spec, passes, tp):
+    """distribute with input_ids only, then dm(input_ids=, labels=): the model is re-captured
+    for the new inputs (rank 0 says so once) and HF's own loss comes back in its ModelOutput,
+    equal to the single-process model's on each rank's rows, with the same gradients. Eval
+    calls (no labels) and training calls then alternate on the two cached programs, which
+    share the parameters: one SGD step over dm.parameters() reaches both."""
+    from commfx.compiler.sharding import shard_index
+    from commfx.models.hf import choose_experts_implementation, training_forward
+    from commfx.verify import split_batch
+
+    sys.path.insert(0, TESTS)
+    results = launch("dist_workers:recapture_for_labels", 2, {"spec": spec, "passes": passes, "tp": tp}, timeout_s=300)
+    model, (ids,) = load_model(spec, dtype=torch.float64, batch=4)
+    choose_experts_implementation(model)
+    dp = len(results) // tp
+
+    def local(full, where):
+        if isinstance(where, dict):
+            return full.index_select(where["dim"], shard_index(where["layout"], where["part"], where["parts"]))
+        return full[where[0] : where[1]]
+
+    def reference(rank):
+        with training_forward(model):
+            return model(input_ids=split_batch(ids, dp, rank // tp), labels=split_batch(ids, dp, rank // tp))
+
+    def check_grads(result, key):
+        assert set(result[key]) == {n for n, p in model.named_parameters() if p.grad is not None}
+        for name, param in model.named_parameters():
+            expected = local(param.grad, result["placement"][name]) if name in result["placement"] else param.grad
+            assert (result[key][name] - expected).abs().max() <= 1e-10, (key, name)
+
+    outs = [reference(rank) for rank in range(len(results))]
+    (sum(out.loss for out in outs[::tp]) / dp).backward()  # mean over data-parallel replicas, as DDP
+    for rank, (result, out) in enumerate(zip(results, outs)):
+        assert torch.equal(result["rows"], split_batch(ids, dp, rank // tp))
+        assert result["type"] == type(out).__name__
+        assert (result["loss"] - out.loss).abs() <= 1e-10
+        assert (result["logits"] - out.logits).abs().max() <= 1e-10
+        assert (result["first_eval"] - out.logits).abs().max() <= 1e-10
+        check_grads(result, "grads")
+        assert result["captures"] == [["input_ids"], ["input_ids", "labels"]]  # eval and train again: cached
+        assert result["same_parameters"] and result["own_parameters"] and result["same_keys"]
+        assert result["placement"] and not result["full_alive"]  # no full-size sharded parameter was kept
+    assert results[0]["stderr"].count("re-capturing") == 1 and "(input_ids, labels)" in results[0]["stderr"]
+    assert all("re-capturing" not in r["stderr"] for r in results[1:])
+
+    with torch.no_grad():  # the step the worker took: SGD, lr 0.5
+        for param in model.parameters():
+            if param.grad is not None:
+                param -= 0.5 * param.grad
+    model.zero_grad(set_to_none=True)
+    outs = [reference(rank) for rank in range(len(results))]
+    (sum(out.loss for out in outs[::tp]) / dp).backward()
+    for result, out in zip(results, outs):
+        assert (result["eval_after"] - out.logits).abs().max() <= 1e-10
+        assert (result["loss_after"] - out.loss).abs() <= 1e-10
+        check_grads(result, "grads_after")
+
+
+def test_new_inputs_are_refused_by_passes_with_state_keyed_by_op():
+    """pack_experts and defer_grad_sync keep runtime state of the first program: new inputs are
+    an error naming the pass. So are a module past max_captures and ranks that disagree."""
+    sys.path.insert(0, TESTS)
+    cases = ["lift,expert_parallel,pack_experts", "lift,expert_parallel,defer_grad_sync"]
+    for errors in launch("dist_workers:recapture_refused", 2, {"cases": cases}, timeout_s=300):
+        assert "re-capture for new inputs is not supported with pack_experts" in errors[cases[0]].lower()
+        assert "re-capture for new inputs is not supported with defer_grad_sync" in errors[cases[1]].lower()
+        assert "the call adds labels" in errors[cases[0]]
+        assert "max_captures" in errors["max_captures"] and "(input_ids)" in errors["max_captures"]
+        assert "every rank must make the same call" in errors["spmd"]
+        assert "(attention_mask, input_ids)" in errors["spmd"] and "(input_ids, labels)" in errors["spmd"]

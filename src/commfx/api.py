@@ -32,7 +32,10 @@ def distribute(
     tuple of tensors, or a dict of keyword tensors; `example_kwargs` adds keyword tensors
     (`distribute(hf_model, plan, (ids,), {"labels": ids})`). The module is then called the
     same way, positionally or by keyword, and returns what the model returns (for an HF
-    model, a `ModelOutput` with `logits`, and `loss` when labels are passed).
+    model, a `ModelOutput` with `logits`, and `loss` when labels are passed). Called later
+    with another set of tensor inputs (`labels=` added for training, left out for eval), it
+    re-captures the model for that set once and keeps both programs, which share the
+    parameters; every rank must make the same call, as with any collective.
 
     `replicas`: every rank must start from the same model. "check" (default) compares a
     digest of every parameter and buffer across ranks and names those that differ;
@@ -70,7 +73,88 @@ def distribute(
     if "pipeline" in program.annotations:
         return _pipeline_module(program, plan, scheduler, groups["ep"].rank)
     placement = shard_parameters(program, {name: handle.rank for name, handle in groups.items() if "/" not in name})
-    return DistributedModule(program, plan, scheduler, placement, compile_training)
+    recapture = _recapture_for(model, program, plan, scheduler, tokens)
+    return DistributedModule(program, plan, scheduler, placement, compile_training, recapture)
+
+
+def _recapture_for(model: torch.nn.Module, program: Program, plan: Plan, scheduler: CommScheduler, tokens: int):
+    """The `recapture(args, kwargs) -> Program` a DistributedModule calls for a new set of
+    tensor inputs: capture and the plan's passes for them, on every rank.
+
+    What it traces is a skeleton of `model` kept from now on, not the model: a copy of its
+    module tree whose replicated parameters and buffers are the very objects the rewritten
+    module holds (capture made them its attributes; no copy), and whose sharded parameters
+    are full-shape stand-ins over one zero (`torch.zeros(()).expand(shape)`, no memory).
+    Capture and the passes read only shapes, dtypes and devices of those (dynamo traces on
+    fake tensors; cost models read sizes); the sharded values they never see. Keeping the
+    user's model instead would keep every full expert alive, which `distribute` exists to
+    avoid; the program's `modules` now point into the skeleton too, for the same reason.
+    The new program's graph module then takes this module's own parameters (expert shards
+    included) by name, so an optimizer over `dm.parameters()` trains every program."""
+    shards = program.annotations.get("shards", {})
+    try:
+        skeleton = _skeleton(model, shards)
+    except Exception as error:  # a model deepcopy cannot copy (a lock, a process group, ...)
+        unavailable = f"{type(model).__name__} cannot be copied into a skeleton to re-capture ({type(error).__name__}: {error})"
+        skeleton = None
+    program.modules = dict(skeleton.named_modules()) if skeleton is not None else {}
+
+    def recapture(args: tuple, kwargs: dict) -> Program:
+        if skeleton is None:
+            raise PlanError(f"{unavailable}; call the module with the same inputs every step, or distribute again")
+        kwargs = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}  # settings such as return_dict stay out
+        if _has_no_rows((*args, *kwargs.values())):
+            args, kwargs = tuple(stand_in_row(t) for t in args), {k: stand_in_row(t) for k, t in kwargs.items()}
+        new = compile_program(skeleton, plan, args, kwargs, tokens_per_rank=tokens)  # tokens: the choices distribute made
+        _check_same_graph(scheduler, new)
+        if "pipeline" in new.annotations:
+            raise PlanError("re-capture for new inputs is not supported with pipeline_split yet")
+        _share_parameters(new, program)
+        return new
+
+    return recapture
+
+
+def _skeleton(model: torch.nn.Module, shards: dict) -> torch.nn.Module:
+    """A copy of `model` that shares every parameter and buffer with it, except the sharded
+    ones (by qualified name, as capture named them), which become full-shape stand-ins."""
+    memo: dict[int, torch.Tensor] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) in memo:
+            continue  # tied: the first name is the one capture used
+        if name in shards:
+            stand_in = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+            memo[id(tensor)] = torch.nn.Parameter(stand_in, requires_grad=tensor.requires_grad)
+        else:
+            memo[id(tensor)] = tensor
+    return copy.deepcopy(model, memo)
+
+
+def _share_parameters(new: Program, first: Program) -> None:
+    """Give `new`'s graph module `first`'s parameter and buffer objects, by qualified name."""
+    before, after = first.annotations.get("shards", {}), new.annotations.get("shards", {})
+    if before != after:
+        differ = sorted(n for n in {*before, *after} if before.get(n) != after.get(n))
+        raise PlanError(
+            f"for the new inputs the plan's passes shard parameters differently ({', '.join(differ[:4])}): a "
+            "cost model chose otherwise for this graph. Pin that pass's choice in the plan, or call the module "
+            "with the same inputs every step"
+        )
+    params = dict(first.gm.named_parameters(remove_duplicate=False))
+    unknown = [n for n, _ in new.gm.named_parameters(remove_duplicate=False) if n not in params]
+    if unknown:
+        raise PlanError(
+            f"with the new inputs the model uses parameters it did not use before ({', '.join(unknown[:4])}), "
+            "which this module does not hold; distribute with these inputs"
+        )
+    buffers = dict(first.gm.named_buffers(remove_duplicate=False))
+    for name, _ in list(new.gm.named_parameters(remove_duplicate=False)):
+        owner_path, _, leaf = name.rpartition(".")
+        new.gm.get_submodule(owner_path)._parameters[leaf] = params[name]
+    for name, _ in list(new.gm.named_buffers(remove_duplicate=False)):
+        owner_path, _, leaf = name.rpartition(".")
+        if name in buffers:
+            new.gm.get_submodule(owner_path)._buffers[leaf] = buffers[name]
 
 
 def _pipeline_module(program: Program, plan: Plan, scheduler: CommScheduler, ep_rank: int) -> PipelineModule:

@@ -9,12 +9,18 @@ them. Its state_dict holds the local parameters under the original names (prefix
 `module.`, as with DDP) plus the expert sharding, which loading checks, and the packed
 layers' expert placement and routing statistics (`expert_placement.py`), which loading
 restores.
+
+Called with another set of tensor inputs than it was captured with (eval without `labels`,
+then training with them), it re-captures the model for that set through the `recapture`
+callable the Python API hands it (the runtime never compiles) and keeps one program per
+set, each with its own lowerings and gradient sync over the very same Parameter objects.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -45,6 +51,28 @@ class CompiledModel(Protocol):
 # a runner takes a lowered graph and returns what runs it.
 CompileTraining = Callable[..., Callable]
 
+# (args, kwargs) of a call with new tensor inputs -> the model captured and rewritten for them,
+# its graph module holding the first program's Parameter objects (a collective: every rank).
+Recapture = Callable[[tuple, dict], CompiledModel]
+
+# Runtime state a second program would not share: the annotation that marks it -> the pass
+# that made it, and why.
+_STATE_OF_ONE_PROGRAM = {
+    "expert_placement": ("pack_experts", "its expert placement and routing statistics are runtime state keyed by the first graph's op ids"),
+    "tp_resize": ("resize_tp", "its shard widths are runtime state keyed by the first graph's op ids"),
+}
+
+
+@dataclass
+class Captured:
+    """One captured program (per set of tensor input names): its graph module, the gradient
+    sync over that module's parameters (in aot_autograd's order) and its lowerings by shape."""
+
+    program: CompiledModel
+    gm: fx.GraphModule
+    grad_sync: GradientSync
+    compiled: dict[tuple, object] = field(default_factory=dict)
+
 
 class DistributedModule(torch.nn.Module):
     def __init__(
@@ -54,6 +82,7 @@ class DistributedModule(torch.nn.Module):
         scheduler: CommScheduler,
         placement: dict[str, list[int]],
         compile_training: CompileTraining,
+        recapture: Recapture | None = None,
     ):
         super().__init__()
         self._compile_training = compile_training
@@ -78,6 +107,10 @@ class DistributedModule(torch.nn.Module):
         # the shape. The bound keeps a stream of new lengths from lowering without end.
         self._compiled: dict[tuple, object] = {}
         self.max_signatures = 16
+        # One program per set of tensor inputs (see `_captured_for`), the first one this.
+        self._recapture = recapture
+        self._captures = {frozenset(program.input_names): Captured(program, self.module, self.grad_sync, self._compiled)}
+        self.max_captures = 4
         # Packed layers (pack_experts): their placement and routing statistics, by op id.
         self.packing = program.annotations.get("expert_placement", {})
         self.placements = placements_of(scheduler)
@@ -87,18 +120,90 @@ class DistributedModule(torch.nn.Module):
         self.placement_log: list[list[Decision]] = []
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
-        inputs = graph_inputs(self.program, args, kwargs)
-        if inputs and all(t.dim() and t.shape[0] == 0 for t in inputs):
-            return self._forward_without_rows(inputs)
-        return self._run(inputs)
+        """Run the rewritten model on this rank's batch.
 
-    def _forward_without_rows(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        A call with another set of tensor inputs than any before (`labels=` added or left
+        out) re-captures the model for it once (rank 0 says so on stderr) and runs that
+        program from then on; both programs train the same parameters. Like any collective,
+        every rank must make the same call: the same input names, in the same step."""
+        captured, inputs = self._captured_for(args, kwargs)
+        if inputs and all(t.dim() and t.shape[0] == 0 for t in inputs):
+            return self._forward_without_rows(inputs, captured)
+        return self._run(inputs, captured)
+
+    def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, tuple[torch.Tensor, ...]]:
+        """The program for this call's set of tensor inputs, captured now if it is new, and
+        the call's tensors in that program's input order.
+
+        Re-capture traces a skeleton of the model (see `commfx.api`) whose parameters are this
+        module's own, so the new graph module holds the same Parameter objects (expert shards
+        included): one optimizer over `parameters()` trains every program, and each program's
+        gradient sync reduces those parameters. The new program's graph must be the same on
+        every rank (checked, as `distribute` does)."""
+        if not self.program.input_names:  # a graph without named inputs: taken as given
+            return self._captures[frozenset()], tuple(args)
+        bound = bind_call(self.program, args, kwargs)
+        names = frozenset(n for n, v in bound.items() if isinstance(v, torch.Tensor))
+        captured = self._captures.get(names)
+        if captured is None:
+            captured = self._capture_new(names, args, kwargs)
+        return captured, tuple(bound[n] for n in captured.program.input_names)
+
+    def _capture_new(self, names: frozenset, args: tuple, kwargs: dict) -> Captured:
+        refused = self._recapture_refused_by()
+        if self._recapture is None or refused is not None:
+            why = (
+                f"Re-capture for new inputs is not supported with {refused[0]} yet ({refused[1]})"
+                if refused else "This module cannot re-capture for new inputs (it was not made by commfx.distribute)"
+            )
+            graph_inputs(self.program, args, kwargs, why)  # raises the mismatch, with `why`
+        if len(self._captures) >= self.max_captures:
+            known = "; ".join("(" + ", ".join(c.program.input_names) + ")" for c in self._captures.values())
+            raise RuntimeError(
+                f"this module was captured for {len(self._captures)} sets of inputs already (the limit, max_captures): "
+                f"{known}; the call's ({', '.join(sorted(names))}) would capture again. Call it with one of those "
+                "sets, or raise DistributedModule.max_captures."
+            )
+        if self.scheduler.rank == 0:
+            first = ", ".join(self.program.input_names)
+            print(
+                f"commfx: the module was captured with inputs ({first}) and is now called with ({', '.join(sorted(names))}); "
+                f"re-capturing the model for these inputs on every rank ({len(self._captures) + 1} of at most "
+                f"{self.max_captures} input sets; each is kept)",
+                file=sys.stderr,
+                flush=True,
+            )
+        calls = self.scheduler.all_gather_object(sorted(names))  # before any rank captures: all or none
+        if any(c != calls[0] for c in calls):
+            other = next(i for i, c in enumerate(calls) if c != calls[0])
+            raise TypeError(
+                f"rank 0 called the module with inputs ({', '.join(calls[0])}) and rank {other} with "
+                f"({', '.join(calls[other])}): every rank must make the same call in the same step (SPMD)"
+            )
+        program = self._recapture(args, kwargs)
+        if frozenset(program.input_names) != names:
+            raise RuntimeError(f"internal: re-capture for inputs ({', '.join(sorted(names))}) named them ({', '.join(program.input_names)})")
+        own = {id(p) for p in self.module.parameters()}
+        foreign = [n for n, p in program.gm.named_parameters(remove_duplicate=False) if id(p) not in own]
+        if foreign:
+            raise RuntimeError(f"internal: the re-captured graph holds parameters of its own ({', '.join(foreign[:4])}), not this module's")
+        grad_sync = configure_comm(program, self.plan, self.scheduler, program.gm.named_parameters(remove_duplicate=False))
+        captured = self._captures[names] = Captured(program, program.gm, grad_sync)
+        return captured
+
+    def _recapture_refused_by(self) -> tuple[str, str] | None:
+        """(pass, why) when a pass's runtime state could not be shared by a second program."""
+        if self.deferred is not None:
+            return "defer_grad_sync", "the gradients it leaves on the wire and the steps they owe belong to the first graph's gradient sync"
+        return next((refusal for key, refusal in _STATE_OF_ONE_PROGRAM.items() if self.program.annotations.get(key)), None)
+
+    def _forward_without_rows(self, inputs: tuple[torch.Tensor, ...], captured: Captured | None = None) -> Any:
         """This rank has no rows this step (a global batch smaller than the world). It still
         takes part in every collective: it runs the graph on one row of zeros and returns
         empty outputs; a scalar output (a loss) is returned times zero. Either way its
         gradients are zero, as a rank with no data contributes nothing to the sum."""
         stand_in = tuple(t.new_zeros((1, *t.shape[1:])) for t in inputs)
-        out = self._run(stand_in)
+        out = self._run(stand_in, captured)
 
         def empty(value):
             if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 1:
@@ -107,30 +212,32 @@ class DistributedModule(torch.nn.Module):
 
         return pytree.tree_map(empty, out)
 
-    def _run(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+    def _run(self, inputs: tuple[torch.Tensor, ...], captured: Captured | None = None) -> Any:
+        captured = captured or self._captures[frozenset(self.program.input_names)]
         if self.straggler is not None and torch.is_grad_enabled():
             self.straggler.begin_step()
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        compiled = self._compiled.get(signature)
+        lowered = captured.compiled
+        compiled = lowered.get(signature)
         if compiled is None:
-            if len(self._compiled) >= self.max_signatures:
+            if len(lowered) >= self.max_signatures:
                 raise RuntimeError(
-                    f"{len(self._compiled)} input shapes were lowered already (the limit, max_signatures); "
+                    f"{len(lowered)} input shapes were lowered already (the limit, max_signatures); "
                     f"another, {[s for s, _ in signature]}, would lower again. Pad inputs to a few lengths "
                     "(buckets), or raise DistributedModule.max_signatures."
                 )
-            if self._compiled:
+            if lowered:
                 print(
                     f"commfx: rank {self.scheduler.rank} lowers the graph for new input shapes "
-                    f"{[list(s) for s, _ in signature]} ({len(self._compiled) + 1} of at most {self.max_signatures})",
+                    f"{[list(s) for s, _ in signature]} ({len(lowered) + 1} of at most {self.max_signatures})",
                     file=sys.stderr,
                     flush=True,
                 )
-            compiled = self._compiled[signature] = self._compile(inputs)
+            compiled = lowered[signature] = self._compile(inputs, captured)
         flat = compiled(*inputs)
-        return pytree.tree_unflatten(list(flat), self.program.out_spec)
+        return pytree.tree_unflatten(list(flat), captured.program.out_spec)
 
-    def _compile(self, inputs):
+    def _compile(self, inputs, captured: Captured):
         def forward(gm):
             if self.deferred is not None:
                 return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
@@ -139,14 +246,14 @@ class DistributedModule(torch.nn.Module):
         def backward(gm):
             def run(*args):
                 self.synchronize()  # what the forward did not use is settled before new gradients come
-                grads = BackwardExecutor(gm, self.scheduler, self.grad_sync, timeline=self.timeline).run(*args)
+                grads = BackwardExecutor(gm, self.scheduler, captured.grad_sync, timeline=self.timeline).run(*args)
                 if self.straggler is not None:
                     self.straggler.end_step()  # the step is over on this rank: time it, maybe resize
                 return grads
 
             return run
 
-        return self._compile_training(self.module, inputs, forward=forward, backward=backward)
+        return self._compile_training(captured.gm, inputs, forward=forward, backward=backward)
 
     @property
     def comm_stats(self):
@@ -217,12 +324,32 @@ class DistributedModule(torch.nn.Module):
             self.straggler.load_state_dict(state["resize_tp"])
 
 
-def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict, why: str = "") -> tuple[torch.Tensor, ...]:
     """The graph's inputs from a call, bound by name: the model may be called positionally
-    or by keyword, whichever way it was captured (HF style: input_ids=, labels=)."""
+    or by keyword, whichever way it was captured (HF style: input_ids=, labels=). A call
+    with other tensor inputs is an error; `why` says why it is not re-captured."""
     names = program.input_names
     if not names or (not kwargs and len(args) == len(names) and program.signature is None):
         return tuple(args)
+    bound = bind_call(program, args, kwargs)
+    missing = [n for n in names if not isinstance(bound.get(n), torch.Tensor)]
+    extra = [n for n, v in bound.items() if isinstance(v, torch.Tensor) and n not in names]
+    if missing or extra:
+        raise TypeError(
+            f"this module was captured with tensor inputs ({', '.join(names)}); the call "
+            + (f"lacks {', '.join(missing)}" if missing else f"adds {', '.join(extra)}")
+            + (f". {why}" if why else "")
+            + ". Call it with the same inputs at every step (other shapes are fine), or distribute again."
+        )
+    return tuple(bound[n] for n in names)
+
+
+def bind_call(program: CompiledModel, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by the forward's parameter names (positional ones without a
+    signature as *0, *1, ...; HF's **kwargs opened up)."""
+    names = program.input_names
+    if not names or (not kwargs and len(args) == len(names) and program.signature is None):
+        return dict(zip(names, args))
     if program.signature is not None:
         try:
             bound = program.signature.bind_partial(*args, **kwargs).arguments
@@ -234,15 +361,7 @@ def graph_inputs(program: CompiledModel, args: tuple, kwargs: dict) -> tuple[tor
         if isinstance(value, dict) and program.signature is not None and name in program.signature.parameters:
             if program.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
                 bound.update(bound.pop(name))
-    missing = [n for n in names if not isinstance(bound.get(n), torch.Tensor)]
-    extra = [n for n, v in bound.items() if isinstance(v, torch.Tensor) and n not in names]
-    if missing or extra:
-        raise TypeError(
-            f"this module was captured with tensor inputs ({', '.join(names)}); the call "
-            + (f"lacks {', '.join(missing)}" if missing else f"adds {', '.join(extra)}")
-            + ". Call it with the same inputs at every step (other shapes are fine), or distribute again."
-        )
-    return tuple(bound[n] for n in names)
+    return bound
 
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:

@@ -122,7 +122,7 @@ class PipelineModule(torch.nn.Module):
         loss by the number of micro-batches (torch.distributed.pipelining's default), so a
         mean loss gives the gradient of the mean over the whole batch.
         """
-        inputs = graph_inputs(self.program, args, kwargs)
+        inputs = graph_inputs(self.program, args, kwargs, "Re-capture for new inputs is not supported with pipeline_split yet")
         microbatches = self._cut(inputs)
         count = len(microbatches)
         scale = 1.0 / count if scale_grads else 1.0
