@@ -215,7 +215,7 @@ def graph_breaks_worker(rank: int, world_size: int, cases: list[tuple[tuple[str,
         local = split_batch(ids, world_size, rank)
         probe = split_batch(probes([model(ids)], batch, 0)[0], world_size, rank)
         torch._dynamo.reset()
-        be = backend_module.backend(Plan.from_cli("lift,expert_parallel", world_size=world_size))
+        be = backend_module.backend(Plan.from_cli("lift,expert_parallel", world_size=world_size), model=model)
         compiled = torch.compile(model, backend=be)
         compiled(local)
         current_scheduler().records = []
@@ -226,6 +226,7 @@ def graph_breaks_worker(rank: int, world_size: int, cases: list[tuple[tuple[str,
             "grads": {n: p.grad for n, p in model.named_parameters()},
             "graphs": len(be.programs),
             "all_to_alls": sum(r.kind == "all_to_all" for r in current_scheduler().records),
+            "reduced_eagerly": list(be.eager_sync.reduced),
         })
     return results
 
@@ -242,11 +243,15 @@ def _check_two_ranks(cases: list[tuple[tuple[str, ...], bool]], batch: int = 3) 
             assert r["graphs"] == BREAKS[breaks][unrolled], breaks
             assert r["all_to_alls"] == 15, breaks  # per layer: counts, dispatch, combine; backward: dispatch, combine
             _assert_matches(out, r["grads"], ref_out, ref_grads)
+            if not unrolled and breaks != ("head",):  # the layer loop breaks: dynamo runs the model's own frame eagerly
+                assert sorted(r["reduced_eagerly"]) == ["embed.weight", "pos.weight"], r["reduced_eagerly"]
 
 
 def test_graph_breaks_match_eager_on_two_ranks_with_expert_parallel():
-    """Breaks between attention and MoE (graphs reused over layers) and before the head."""
-    _check_two_ranks([(("attention",), True), (("head",), False)])
+    """Breaks between attention and MoE (graphs reused over layers), inside the layer loop
+    (the model's own frame runs eagerly: the backend, given the model, reduces its weights)
+    and before the head."""
+    _check_two_ranks([(("attention",), True), (("attention",), False), (("head",), False)])
 
 
 @pytest.mark.slow

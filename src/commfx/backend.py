@@ -15,7 +15,9 @@ too), and only graphs with an MoE block get the MoE passes. A graph takes its pa
 and buffers as inputs on every call: after a break inside a layer, dynamo calls the same
 graph for every layer, each time with that layer's weights. Weights used outside every
 graph get no gradient sync: a graph break inside a Python loop makes dynamo run that whole
-frame eagerly (a model's embeddings and head, when its layer loop breaks).
+frame eagerly (a model's embeddings and head, when its layer loop breaks). Given the model
+(`commfx.backend(plan, model=model)`), the backend all-reduces those too
+(runtime/eager_grads.py); without it, a world above 1 whose graphs broke gets a warning.
 
 The name "commfx" is registered through the `torch_dynamo_backends` entry point; used by
 name it reads the pass list from COMMFX_PASSES (default lift,expert_parallel) and the
@@ -29,6 +31,8 @@ import copy
 import dataclasses
 import os
 import re
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,14 +45,16 @@ from .compiler.program import Program
 from .passes import check_plan, run_passes
 from .plan import PassSpec, Plan, PlanError
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
+from .runtime.eager_grads import EagerGradientSync
 from .runtime.executor import BackwardExecutor, GraphExecutor
 from .runtime.grad_sync import GradientSync
 from .runtime.module import configure_comm
 
 
 class CommfxBackend:
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, model: torch.nn.Module | None = None):
         self.plan = _shard_in_graph(plan)
+        self.model = model
         if "defer_grad_sync" in plan.pass_names():
             raise PlanError(
                 "defer_grad_sync needs commfx.distribute (whose module knows the optimizer and steps deferred parameters "
@@ -61,6 +67,8 @@ class CommfxBackend:
         self._scheduler: CommScheduler | None = None
         self._agreed_tokens: int | None = None
         self._syncs: list[GradientSync] = []
+        self.eager_sync: EagerGradientSync | None = None
+        self._warned_breaks = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         program, positions, bound = _program_from_dynamo(gm, example_inputs)
@@ -78,6 +86,7 @@ class CommfxBackend:
         parameters = [(name, example_inputs[i]) for name, i in bound if isinstance(example_inputs[i], torch.nn.Parameter)]
         sync = configure_comm(program, self.plan, scheduler, parameters, group_of=lambda _: "world")
         self._syncs.append(sync)
+        self._warn_if_weights_may_run_eagerly(scheduler)
         graphs: dict[str, fx.GraphModule] = {}
 
         def forward(graph_module: fx.GraphModule):
@@ -94,9 +103,13 @@ class CommfxBackend:
         self.programs.append(program)
         self.graphs.append(graphs)
 
+        parameter_positions = [i for _, i in bound if isinstance(example_inputs[i], torch.nn.Parameter)]
+
         def run(*args):
             # dynamo passes every graph input each call, parameters too: a graph it reuses
             # (one layer's code called for every layer) gets each call's own weights.
+            if self.eager_sync is not None:  # this graph's sync reduces these: the eager sync leaves them
+                self.eager_sync.in_graphs.update(id(args[i]) for i in parameter_positions)
             return compiled(*[args[i] for i in sources])
 
         return run
@@ -117,7 +130,26 @@ class CommfxBackend:
             else:
                 raise PlanError("the commfx backend needs torch.distributed initialised for a world size above 1")
             install_default(self._scheduler)
+            if self.model is not None:
+                self.eager_sync = EagerGradientSync(self._scheduler, self.plan.grad_scale_for("world"))
+                self.eager_sync.watch(self.model)
         return self._scheduler
+
+    def _warn_if_weights_may_run_eagerly(self, scheduler: CommScheduler) -> None:
+        """Without the model the backend cannot see weights outside its graphs: say so once
+        when dynamo broke the model into pieces on a world where that matters."""
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        if self.model is not None or self._warned_breaks or scheduler.group("world").size == 1 or not breaks:
+            return
+        self._warned_breaks = True
+        message = (
+            "commfx backend: dynamo broke the model into several graphs; weights used by code it runs outside every "
+            "graph (a frame it runs eagerly) get no gradient sync from the backend. Pass the model, "
+            "commfx.backend(plan, model=model), to synchronise them too, or remove the graph break"
+        )
+        warnings.warn(message, stacklevel=2)
+        if scheduler.rank == 0:
+            print(message, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -148,9 +180,11 @@ def _world_max(scheduler: CommScheduler, value: int) -> int:
     return max(scheduler.all_gather_object(value)) if scheduler.group("world").size > 1 else value
 
 
-def backend(plan: Plan) -> CommfxBackend:
-    """A torch.compile backend that runs `plan` (call once per model; it keeps state)."""
-    return CommfxBackend(plan)
+def backend(plan: Plan, model: torch.nn.Module | None = None) -> CommfxBackend:
+    """A torch.compile backend that runs `plan` (call once per model; it keeps state).
+    `model`: the module being compiled, so gradients of weights that dynamo runs outside
+    every graph (after a graph break) are synchronised too."""
+    return CommfxBackend(plan, model)
 
 
 _BY_NAME: dict[tuple[str, int], CommfxBackend] = {}
