@@ -180,3 +180,89 @@ def test_the_empty_example_error_says_what_the_code_does():
     message = str(info.value)
     assert message.startswith("capture traces the forward on the example inputs, which have no rows (input 0)"), message
     assert "A rank may have no rows at run time" in message and "Every rank needs" not in message, message
+
+
+# ---------------------------------------------------------------- the command line itself
+
+
+@pytest.mark.parametrize("option", ["--json", "--trace", "--dump"])
+def test_an_unwritable_output_path_is_refused_before_ranks_start(capsys, no_launch, tmp_path, option):
+    """The path's parent is a file, so no directory can be made there (this runs as root too,
+    where permissions would not stop it); it used to fail after the whole run."""
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file, not a directory")
+    out = one_error(capsys, ["run", "gpt-moe-tiny", "--world-size", "2", option, str(blocker / "out.json")])
+    assert f"{option} {blocker / 'out.json'}: cannot write there: {blocker} is a file, not a directory" in out, out
+
+
+def test_a_missing_output_directory_is_made_before_ranks_start(tmp_path):
+    """A parent directory that does not exist yet is created (it would be at the end anyway)."""
+    from commfx.cli.checks import check_output_paths
+
+    target = tmp_path / "new" / "deeper" / "run.json"
+    check_output_paths({"--json": str(target)})
+    assert target.parent.is_dir() and not target.exists()
+
+
+@pytest.mark.parametrize("value", ["-1e-10", "-0.5", "-inf"])
+def test_a_negative_number_reaches_its_check_and_is_refused(capsys, value):
+    """argparse took `-1e-10` for an option ('expected one argument')."""
+    with pytest.raises(SystemExit) as info:
+        main(["verify", "gpt-moe-tiny", "--tolerance", value])
+    assert info.value.code == 2
+    assert f"argument --tolerance: must be a non-negative number, got {value}" in capsys.readouterr().err
+
+
+def test_negative_numbers_still_parse_where_they_are_allowed():
+    from commfx.cli.checks import numbers_as_values
+    from commfx.cli.main import build_parser
+
+    args = build_parser().parse_args(numbers_as_values(["run", "gpt-moe-tiny", "--seed", "-3", "--lr", "1e-3"]))
+    assert args.seed == -3 and args.lr == 1e-3
+
+
+@pytest.mark.parametrize(
+    "argv, asked",
+    [
+        (["run", "gpt-moe-tiny", "--world-size", "1000", "--ep", "4"], "--world-size 1000"),
+        (["verify", "gpt-moe-tiny", "--world-size", "1000"], "--world-size 1000"),
+        (["bench", "gpt-moe-tiny", "--nodes", "10", "--ranks-per-node", "100"], "--nodes 10 x --ranks-per-node 100 = 1000"),
+    ],
+)
+def test_a_local_world_larger_than_the_machine_is_refused(capsys, no_launch, argv, asked):
+    from commfx.cli.checks import max_local_world
+
+    cap = max_local_world()
+    out = one_error(capsys, argv)
+    assert f"{asked} would start 1000 processes on this machine; commfx starts at most {cap} locally" in out, out
+    assert "torchrun" in out
+
+
+def test_an_internal_error_ends_with_one_line_saying_it_is_a_commfx_defect(capsys, monkeypatch):
+    """A bug in commfx (here: a KeyError from a command) is not a bare traceback: one error line
+    where it happened, then one line with the versions and the command for the full traceback."""
+    import commfx.cli.main as cli
+
+    def fails(args):
+        return {}["missing"]
+
+    monkeypatch.setattr(cli, "cmd_passes", fails)
+    monkeypatch.delenv("COMMFX_TRACEBACK", raising=False)
+    assert main(["passes"]) == 3
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert lines[0].startswith("error: internal error: KeyError: 'missing' (at ") and "in fails)" in lines[0], lines
+    assert lines[-1].startswith("This is a commfx defect, not a mistake in the command: commfx 0.1.0, torch "), lines
+    assert "transformers " in lines[-1] and lines[-1].endswith("Rerun as COMMFX_TRACEBACK=1 commfx passes for the full traceback, and report it."), lines
+    assert "Traceback" not in captured.out + captured.err
+
+    monkeypatch.setenv("COMMFX_TRACEBACK", "1")
+    assert main(["passes"]) == 3
+    captured = capsys.readouterr()
+    assert "Traceback (most recent call last)" in captured.err and "KeyError: 'missing'" in captured.err
+    assert "This is a commfx defect" in captured.out.strip().splitlines()[-1]
+
+
+def test_known_user_errors_keep_their_one_message(capsys, no_launch):
+    out = one_error(capsys, ["run", "gpt-moe-tiny", "--world-size", "2", "--passes", "lift,warp"])
+    assert "unknown pass 'warp'" in out and "defect" not in out

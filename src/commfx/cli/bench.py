@@ -121,7 +121,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..bench.harness import build_config, render, run_bench
     from ..bench.cluster import LinkSpec
+    from .checks import check_local_world, check_output_paths
 
+    world = args.nodes * args.ranks_per_node
+    check_local_world(world, f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node} = {world}")
+    check_output_paths({"--json": args.json, "--trace": args.trace}, directories=("--trace",))
     console = Console(highlight=False)
     link = None if args.inter_node.strip().lower() == "none" else LinkSpec.parse(args.inter_node)
     config = build_config(

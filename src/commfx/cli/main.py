@@ -15,6 +15,7 @@ from rich.text import Text
 from ..plan import Plan, PlanError
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
+from .checks import check_local_world, check_output_paths, numbers_as_values, report_defect
 
 # Markup off: what is printed is what was written. Paths, pass lists and error texts hold
 # brackets (gloo's `[/path/pair.cc:553]`, `out/[run1]/g.txt`) that rich would read as tags.
@@ -66,6 +67,7 @@ def cmd_dump(args) -> int:
     from ..models import load_model
     from ..compiler.render import render
 
+    check_output_paths({"--output": args.output})
     plan = _plan(args)
     model, inputs = load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))
     stop = "lift" if args.stage == "lifted" else None
@@ -98,6 +100,7 @@ def cmd_dump(args) -> int:
 def cmd_verify(args) -> int:
     from ..verify import VerifyCase, verify
 
+    check_local_world(args.world_size, f"--world-size {args.world_size}")
     plan = _plan(args)
     case = VerifyCase(args.model, plan, batch=args.batch, seed=args.seed)
     console.print(
@@ -144,6 +147,8 @@ def cmd_run(args) -> int:
     from ..runtime.launcher import launch
     from ..train import TrainConfig
 
+    check_local_world(args.world_size, f"--world-size {args.world_size}")
+    check_output_paths({"--dump": args.dump, "--json": args.json, "--trace": args.trace})
     plan = _plan(args)
     from ..models import load_model
     from ..verify import preflight
@@ -226,16 +231,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(numbers_as_values(argv))
     from ..compiler.capture import CaptureError
     from ..passes import PassError
     from ..runtime.launcher import LaunchError
 
     try:
         return args.func(args)
-    except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:
+    except (PlanError, CaptureError, PassError, LaunchError, ValueError) as error:  # the user's to fix: one message
         print_error(error)
         return 2
+    except Exception as error:  # commfx's own defect
+        return report_defect(error, argv, console)
 
 
 def print_error(error: BaseException) -> None:
