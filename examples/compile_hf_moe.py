@@ -32,7 +32,7 @@ def main() -> None:
     )
     model = Qwen3MoeForCausalLM(config)
     plan = commfx.Plan.from_cli("lift,expert_parallel", world_size=world)
-    compiled = torch.compile(model, backend=commfx.backend(plan))
+    compiled = torch.compile(model, backend=commfx.backend(plan, model=model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (4, 16), generator=generator)
