@@ -35,6 +35,17 @@ def batches(rank: int, world: int, batch: int, seq: int):
         step += 1
 
 
+def build_model() -> MixtralForCausalLM:
+    """A small Mixtral, the same initial weights on every rank."""
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+    )
+    model = MixtralForCausalLM(config)  # as transformers returns it
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
@@ -44,12 +55,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same initial weights on every rank
-    config = MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-    )
-    model = MixtralForCausalLM(config)  # as transformers returns it
+    model = build_model()
 
     plan = commfx.Plan.from_cli(args.passes, world_size=world)
     data = batches(rank, world, batch=4, seq=32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,10 +31,25 @@ def losses(text: str) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_torchrun_training_script_on_a_raw_hf_moe_model():
-    out = torchrun("train_hf_moe.py", "--steps", "3")
+def test_torchrun_training_script_on_a_raw_hf_moe_model(tmp_path):
+    """Its first loss is the single-process model's on the same rows (the mean of each
+    rank's HF loss), and training lowers it."""
+    import importlib.util
+
+    import torch
+
+    report = tmp_path / "report.json"
+    out = torchrun("train_hf_moe.py", "--steps", "3", "--report", str(report))
     values = losses(out)
     assert len(values) == 3 and values[-1] < values[0], out
+    spec = importlib.util.spec_from_file_location("train_hf_moe", EXAMPLES / "train_hf_moe.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.build_model()
+    with torch.no_grad():
+        expected = sum(model(input_ids=ids, labels=ids).loss.item() for ids in (next(example.batches(r, 2, 4, 32)) for r in range(2))) / 2
+    first = json.loads(report.read_text())["losses"][0]
+    assert abs(first - expected) <= 1e-5, (first, expected)
 
 
 @pytest.mark.distributed
