@@ -268,11 +268,24 @@ def test_dump_says_what_packing_degree_it_chose_and_why(capsys):
 
 
 @pytest.mark.distributed
-def test_commfx_run_re_places_experts_and_still_trains_pipelines(capsys):
-    """`commfx run` attaches the optimizer for re-placement; a pipelined module (which has no
-    packed experts) trains as before."""
+def test_commfx_run_re_places_experts_and_still_trains_pipelines(capsys, tmp_path):
+    """`commfx run` attaches the optimizer for re-placement: experts really move (the JSON's
+    placement), and since moving is lossless the losses are the run's without re-placement
+    (float32, to rounding). A pipelined module (which has no packed experts) trains as before."""
+    import json
+    import math
+
     from commfx.cli.main import main
 
-    assert main(["run", "gpt-moe-tiny", "--world-size", "2", "--steps", "3", "--passes", f"{PACKED}:replace_every=2"]) == 0
+    runs = {}
+    for label, passes in (("moved", f"{PACKED}:replace_every=1;balance=0.5"), ("fixed", PACKED)):
+        out = tmp_path / f"{label}.json"
+        assert main(["run", "gpt-moe", "--world-size", "2", "--steps", "3", "--passes", passes, "--json", str(out)]) == 0
+        runs[label] = json.loads(out.read_text())
+    placements = runs["moved"]["expert_placement"].values()
+    assert any(p["replacements"] >= 1 and p["slot_of"] != sorted(p["slot_of"]) for p in placements), placements
+    moved, fixed = ([h["loss"] for h in runs[label]["history"]] for label in ("moved", "fixed"))
+    assert all(math.isfinite(loss) for loss in moved) and moved[-1] < moved[0], moved
+    assert moved == pytest.approx(fixed, rel=1e-5), (moved, fixed)
     assert main(["run", "gpt-moe", "--world-size", "2", "--pp", "2", "--steps", "2", "--passes", "lift,pipeline_split"]) == 0
-    assert capsys.readouterr().out.count("done in") == 2
+    assert capsys.readouterr().out.count("done in") == 3

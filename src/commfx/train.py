@@ -148,4 +148,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     trace = None
     if dm.timeline is not None:
         trace = str(dm.timeline.write(rank_trace_path(config.trace_path, rank), dm.scheduler.dispatcher.history))
-    return {"history": history, "local_params": local_params, "placement": dm.placement, "trace": trace}
+    placements = getattr(dm, "placements", None)  # pack_experts: where each expert sits, and how often it moved
+    expert_placement = {
+        op: {"slot_of": s["slot_of"], "replacements": s["replacements"]} for op, s in (placements.state() if placements else {}).items()
+    }
+    return {"history": history, "local_params": local_params, "placement": dm.placement, "expert_placement": expert_placement, "trace": trace}

@@ -182,7 +182,8 @@ def cmd_run(args) -> int:
         console.print(f"traces: {merged} (all ranks) and {', '.join(r['trace'] for r in results)}; open in https://ui.perfetto.dev")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"history": history, "local_params": [r["local_params"] for r in results]}, f, indent=2)
+            record = {"history": history, "local_params": [r["local_params"] for r in results], "expert_placement": results[0]["expert_placement"]}
+            json.dump(record, f, indent=2)
     return 0
 
 
