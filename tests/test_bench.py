@@ -41,10 +41,10 @@ DRIVER = (
 
 
 
-def _bench(tmp_path: Path, *extra: str, timeout: float = 120.0) -> tuple[dict, str, int]:
+def _bench(tmp_path: Path, *extra: str, timeout: float = 120.0, model: str = "gpt-moe-tiny") -> tuple[dict, str, int]:
     """Run the bench CLI; returns (JSON result, stdout, the bench process id)."""
     out = tmp_path / "bench.json"
-    argv = [sys.executable, "-c", DRIVER, "bench", "gpt-moe-tiny", "--passes", PASSES, "--vs", "",
+    argv = [sys.executable, "-c", DRIVER, "bench", model, "--passes", PASSES, "--vs", "",
             "--nodes", "2", "--ranks-per-node", "1", "--inter-node", "500mbit,1ms",
             "--steps", "2", "--warmup", "1", "--timeout", str(timeout - 30), "--json", str(out), *extra]
     env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT / "src")}
@@ -120,7 +120,8 @@ def test_bench_emulated_cluster(tmp_path):
 
 
 def test_bench_localhost_fallback_says_so(tmp_path):
-    result, stdout, _ = _bench(tmp_path, "--no-emulation")
+    """Also the README's dict form of inputs (a model file returning keyword tensors)."""
+    result, stdout, _ = _bench(tmp_path, "--no-emulation", model=f"{ROOT / 'tests/model_files/user_models.py'}:tiny_keywords")
     assert result["emulated"] is False and "no-emulation" in result["fallback_reason"]
     assert "FALLBACK" in stdout and "NOT applied" in stdout
     _check_result(result, stdout)  # bytes come from the topology, not the network

@@ -155,3 +155,9 @@ def hf_typo():
 def hf_label():
     model, ids = _hf()
     return model, {"input_ids": ids, "label": ids}
+
+
+def tiny_keywords():
+    """gpt-moe-tiny's own batch in the README's dict form."""
+    model, (ids,) = load_model("gpt-moe-tiny")
+    return model, {"input_ids": ids}

@@ -107,11 +107,11 @@ class _PlanRunner:
         from ..api import distribute
         from ..models import load_model
         from ..runtime.pipeline.module import PipelineModule
-        from ..verify import data_share, split_batch
+        from ..verify import data_share, local_batch
 
         self.spec = spec
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
-        self.inputs = tuple(split_batch(t, *data_share(spec.plan, rank)) for t in inputs)
+        self.inputs = local_batch(inputs, *data_share(spec.plan, rank))  # a tuple, or a dict of keyword tensors
         self.dm = distribute(model, spec.plan, self.inputs)
         self.pipelined = isinstance(self.dm, PipelineModule)
         self.scheduler = self.dm.scheduler
@@ -132,14 +132,16 @@ class _PlanRunner:
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
         from ..train import loss_fn
+        from ..verify import batch_tensors, call
 
         # Backward comm ops find the process-default scheduler: make it this plan's.
         install_default(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipelined:
-            self.dm.step(*self.inputs, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs))
+            args, kwargs = ((), self.inputs) if isinstance(self.inputs, dict) else (self.inputs, {})
+            self.dm.step(*args, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs), **kwargs)
         else:
-            loss_fn(self.dm(*self.inputs), self.inputs).backward()
+            loss_fn(call(self.dm, self.inputs), batch_tensors(self.inputs)).backward()
         self.optimizer.step()
 
     def step(self) -> tuple[tuple[float, float], dict]:
