@@ -14,7 +14,8 @@ from .compiler.lower import compile_training
 from .compiler.pipeline import compile_program
 from .compiler.program import Program
 from .compiler.sharding import shard_parameters
-from .plan import Plan, PlanError
+from .passes import check_plan
+from .plan import Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
@@ -43,6 +44,10 @@ def distribute(
     """
     if replicas not in REPLICA_MODES:
         raise PlanError(f"replicas={replicas!r} is not one of {', '.join(REPLICA_MODES)}")
+    try:
+        check_plan(plan, model)
+    except PlanError as error:
+        raise said_once_per_node(error) from None
     if not dist.is_initialized():
         raise PlanError(
             "commfx.distribute needs torch.distributed initialised on every rank "

@@ -43,7 +43,7 @@ from .compiler.capture import to_fx_convention, tokens_of
 from .compiler.lower import compile_training
 from .compiler.program import Program
 from .passes import check_plan, run_passes
-from .plan import PassSpec, Plan, PlanError
+from .plan import PassSpec, Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
 from .runtime.eager_grads import EagerGradientSync
 from .runtime.executor import BackwardExecutor, GraphExecutor
@@ -60,7 +60,10 @@ class CommfxBackend:
                 "defer_grad_sync needs commfx.distribute (whose module knows the optimizer and steps deferred parameters "
                 "late); under torch.compile's commfx backend gradients are reduced in backward: drop it from the plan"
             )
-        check_plan(self.plan)
+        try:
+            check_plan(self.plan)
+        except PlanError as error:
+            raise said_once_per_node(error) from None
         self.programs: list[Program] = []
         # Per compiled graph: {"forward": gm, "backward": gm}; backward appears at the first backward.
         self.graphs: list[dict[str, fx.GraphModule]] = []

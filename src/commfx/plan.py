@@ -21,6 +21,16 @@ class PlanError(ValueError):
     """A plan that does not fit the passes, the model or the topology."""
 
 
+def said_once_per_node(error: PlanError, environ: Mapping[str, str] = os.environ) -> PlanError:
+    """`error`, for an error every rank hits alike (a plan checked before any rank-dependent
+    step): under torchrun only local rank 0 carries the message, so a node's log says it
+    once; the other local ranks point to it."""
+    local_rank = int(environ.get("LOCAL_RANK", "0") or 0)
+    if local_rank == 0:
+        return error
+    return PlanError(f"the plan is refused on every rank; local rank 0 of this node prints why (this is local rank {local_rank})")
+
+
 @dataclass(frozen=True)
 class Topology:
     """How ranks are laid out. `ep` defaults to the whole world; nodes hold `ranks_per_node`.
