@@ -28,6 +28,7 @@ class Program:
     # forward's signature: calls bind (args, kwargs) by name, positional or keyword.
     input_names: list[str] = field(default_factory=list)
     signature: inspect.Signature | None = None
+    _by_name: dict[str, fx.Node] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def graph(self) -> fx.Graph:
@@ -35,6 +36,16 @@ class Program:
 
     def module_at(self, path: str) -> torch.nn.Module | None:
         return self.modules.get(path)
+
+    def node(self, name: str) -> fx.Node:
+        """The graph's node called `name` (KeyError if none): the one lookup by name passes
+        use. The index is rebuilt when the graph changed under it."""
+        found = self._by_name.get(name)
+        if found is None or found.name != name or found.graph is not self.graph or found._erased:
+            self._by_name.clear()
+            self._by_name.update((n.name, n) for n in self.graph.nodes)
+            found = self._by_name[name]
+        return found
 
 
 def stamp(node: fx.Node, pass_name: str, purpose: str) -> fx.Node:
