@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..plan import Plan, PlanError
 from ..compiler.program import Program, stamp
+from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, register
 from .lift import find_experts_modules
 
@@ -86,62 +87,59 @@ class ExpertParallel(Pass):
                 + (f" (unrecognised MoE-like modules: {', '.join(unmatched)})" if unmatched else "")
             )
         ep = plan.topology.expert_parallel_size
-        nodes = {n.name: n for n in program.graph.nodes}
+        rw = Rewriter(program, PASS)
         shards = program.annotations.setdefault("shards", {})
         for block in blocks:
             if block["num_experts"] % ep:
                 raise PassError(f"{block['path']}: {block['num_experts']} experts do not divide over ep={ep}")
-            _distribute_block(program.graph, nodes, block, ep, options.capacity_factor)
+            _distribute_block(rw, program, block, ep, options.capacity_factor)
             if options.shard_in_graph:
-                _slice_weights_in_graph(program.graph, nodes[block["expert_ffn"]], ep)
+                _slice_weights_in_graph(rw, program.node(block["expert_ffn"]), ep)
                 continue
             for target in (block["gate_up"], block["down"]):
                 shards[target] = {"dim": 0, "group": "ep", "parts": ep, "replicated_over": "edp"}
-        program.gm.recompile()
+        rw.finish()
         return True
 
 
 def set_capacity(program: Program, capacity_factor: float) -> None:
     """Switch every lifted dispatch to capacity mode (also used for the 1-rank reference)."""
-    nodes = {n.name: n for n in program.graph.nodes}
     for block in program.annotations.get("moe_blocks", []):
-        dispatch = nodes[block["dispatch"]]
+        dispatch = program.node(block["dispatch"])
         dispatch.args = (*dispatch.args[:3], float(capacity_factor))
     program.gm.recompile()
 
 
-def _slice_weights_in_graph(graph: fx.Graph, ffn: fx.Node, ep: int) -> None:
+def _slice_weights_in_graph(rw: Rewriter, ffn: fx.Node, ep: int) -> None:
     rows, counts, gate_up, down, activation = ffn.args
     local = []
     for weight in (gate_up, down):
         # Right after the weight, not before this use: later passes (partition_a2a) add uses
         # of the local shard earlier in the graph than this expert_ffn.
-        with graph.inserting_after(weight):
-            local.append(stamp(graph.call_function(commfx.local_shard.default, (weight, "ep", ep)), PASS, "this rank's experts"))
+        with rw.after(weight):
+            local.append(rw.call(commfx.local_shard.default, (weight, "ep", ep), purpose="this rank's experts", like=None))
     ffn.args = (rows, counts, *local, activation)
 
 
-def _distribute_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int, capacity_factor: float) -> None:
-    dispatch, ffn, combine = nodes[block["dispatch"]], nodes[block["expert_ffn"]], nodes[block["combine"]]
+def _distribute_block(rw: Rewriter, program: Program, block: dict, ep: int, capacity_factor: float) -> None:
+    dispatch, ffn, combine = (program.node(block[key]) for key in ("dispatch", "expert_ffn", "combine"))
     dispatch.args = (*dispatch.args[:3], float(capacity_factor))
     rows, counts, gate_up, down, activation = ffn.args
     local_experts = block["num_experts"] // ep
 
     def make(target, args, purpose):
-        node = graph.call_function(target, args)
-        node.meta["nn_module_stack"] = dict(ffn.meta.get("nn_module_stack", {}))
-        return stamp(node, PASS, purpose) if purpose else node
+        return rw.call(target, args, purpose=purpose, like=ffn)
 
-    with graph.inserting_before(ffn):
+    with rw.before(ffn):
         send_counts = make(torch.ops.aten.view.default, (counts, [ep, local_experts]), "rows per (dest rank, expert)")
         recv_counts = make(commfx.exchange_counts.default, (counts, "ep", ep), "exchange token counts")
         received = make(commfx.all_to_all.default, (rows, send_counts, recv_counts, "ep"), "dispatch all-to-all")
         local_rows = make(commfx.group_by_expert.default, (received, recv_counts, False), "source-major -> expert-major")
         local_counts = make(torch.ops.aten.sum.dim_IntList, (recv_counts, [0]), "rows per local expert")
     ffn.args = (local_rows, local_counts, gate_up, down, activation)
-    with graph.inserting_after(ffn):
+    with rw.after(ffn):
         back = make(commfx.group_by_expert.default, (ffn, recv_counts, True), "expert-major -> source-major")
-    with graph.inserting_after(back):
+    with rw.after(back):
         returned = make(commfx.all_to_all.default, (back, recv_counts, send_counts, "ep"), "combine all-to-all")
     combine.replace_input_with(ffn, returned)
     stamp(ffn, PASS, f"local experts ({local_experts} of {block['num_experts']})")
