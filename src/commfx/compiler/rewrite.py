@@ -113,6 +113,11 @@ class Rewriter:
         self.made.append(node)
         return node
 
+    def maker(self, like: fx.Node | None) -> Callable[..., fx.Node]:
+        """`make(target, args, purpose=None, **options)`: `call` with `like` fixed, for a
+        pass that builds many nodes standing in for one."""
+        return lambda target, args, purpose=None, **options: self.call(target, args, purpose=purpose, like=like, **options)
+
     def method(self, name: str, args: Iterable = (), **options) -> fx.Node:
         """A `call_method` node (`x.detach()`, `x.reshape(...)`), as `call` builds it."""
         return self.call(name, args, op="call_method", **options)

@@ -32,11 +32,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..compiler.program import Program, stamp
+from ..compiler.program import Program
+from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
 from .cost_model import MoERegion, packing_degree
-from .lift import erase_replaced
 
 commfx = torch.ops.commfx
 PASS = "pack_experts"
@@ -88,7 +88,7 @@ class PackExperts(Pass):
         if not blocks:
             raise PassError("pack_experts found no expert-parallel MoE block in the graph")
         ep = plan.topology.expert_parallel_size
-        nodes = {n.name: n for n in program.graph.nodes}
+        rw = Rewriter(program, PASS)
         placements = program.annotations.setdefault("expert_placement", {})
         notes = program.annotations.setdefault("notes", [])
         previous = None
@@ -96,7 +96,7 @@ class PackExperts(Pass):
             if options.degree != "auto" and int(options.degree) * ep != block["num_experts"]:
                 raise PlanError(_degree_misfit(block["num_experts"], int(options.degree), plan))
             notes.append(_degree_note(program, block, plan, options.degree))
-            previous = _pack_block(program.graph, nodes, block, ep, previous)
+            previous = _pack_block(rw, program, block, ep, previous)
             placements[block["path"]] = {
                 "num_experts": block["num_experts"],
                 "ranks": ep,
@@ -104,7 +104,7 @@ class PackExperts(Pass):
                 "replace_every": options.replace_every,
                 "balance": options.balance,
             }
-        program.gm.recompile()
+        rw.finish()
         return True
 
 
@@ -158,9 +158,9 @@ def _degree_note(program: Program, block: dict, plan: Plan, degree: str) -> str:
     return here + f". Cost model recommends {choice.degree} ({verdict}): {choice.reason}"
 
 
-def _pack_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int, previous: fx.Node | None) -> fx.Node:
+def _pack_block(rw: Rewriter, program: Program, block: dict, ep: int, previous: fx.Node | None) -> fx.Node:
     """Rewrite one block; returns its router's expert choices (the next block's `previous`)."""
-    dispatch, ffn, combine = nodes[block["dispatch"]], nodes[block["expert_ffn"]], nodes[block["combine"]]
+    dispatch, ffn, combine = (program.node(block[key]) for key in ("dispatch", "expert_ffn", "combine"))
     if ffn.target is not commfx.expert_ffn.default or combine.target is not commfx.moe_combine.default:
         raise PassError(f"{block['path']}: pack_experts expects expert_parallel's block (dispatch, experts, combine)")
     x, indices, capacity_factor = dispatch.args[0], dispatch.args[1], float(dispatch.args[3])
@@ -168,9 +168,9 @@ def _pack_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int
     local_experts = block["num_experts"] // ep
     old = _block_nodes(dispatch, combine)
     path = block["path"]
-    make = _maker(graph, ffn)
+    make = rw.maker(ffn)
 
-    with graph.inserting_before(combine):
+    with rw.before(combine):
         slots = make(commfx.expert_slots.default, (indices, previous, path, block["num_experts"], ep), "where each expert lives now (runtime placement)")
         packed = make(commfx.rank_dispatch.default, (x, slots, weights, ep, local_experts, capacity_factor), "each token once per rank")
         rows, meta, row_token, send = (make(operator.getitem, (packed, i)) for i in range(4))
@@ -178,24 +178,13 @@ def _pack_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ep: int
         back, exchange = build_exchange(make, rows, meta, send, recv_counts, ffn.args[2:5], ep, local_experts, path, chunks=1)
         result = make(commfx.scatter_add_tokens.default, (back, row_token, x), "sum ranks' rows into tokens")
     combine.replace_all_uses_with(result)
-    erase_replaced(graph, old)
+    rw.erase_dead(old)
     experts = next(n for n in exchange if n.target is commfx.packed_expert_ffn.default)
     block.update(
         dispatch=packed.name, expert_ffn=experts.name, combine=result.name, packed=True,
         packed_exchange=[n.name for n in exchange], packed_inputs=[rows.name, meta.name, send.name, recv_counts.name],
     )
     return indices
-
-
-def _maker(graph: fx.Graph, like: fx.Node):
-    stack = dict(like.meta.get("nn_module_stack", {}))
-
-    def make(target, args, purpose=None):
-        node = graph.call_function(target, args)
-        node.meta["nn_module_stack"] = stack
-        return stamp(node, PASS, purpose) if purpose else node
-
-    return make
 
 
 def build_exchange(make, rows, meta, send, recv_counts, ffn_weights, ep: int, local_experts: int, path: str, chunks: int):

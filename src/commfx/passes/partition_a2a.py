@@ -30,6 +30,7 @@ import torch.fx as fx
 from .cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
 from ..plan import Plan, PlanError
 from ..compiler.program import Program, stamp
+from ..compiler.rewrite import Pattern, Rewriter
 from .base import Pass, PassError, plan_options, register
 from .pack_experts import build_exchange
 
@@ -73,7 +74,7 @@ class PartitionA2A(Pass):
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         blocks = program.annotations.get("moe_blocks") or []
-        nodes = {n.name: n for n in program.graph.nodes}
+        rw = Rewriter(program, PASS)
         tokens = program.annotations.get("tokens_per_rank")
         for block in blocks:
             chunks = self.chunks_for(program, block, options, plan)
@@ -84,12 +85,12 @@ class PartitionA2A(Pass):
                 )
             block["chunks"] = chunks
             if block.get("packed"):
-                _partition_packed_block(program.graph, nodes, block, chunks)
+                _partition_packed_block(rw, program, block, chunks)
             else:
-                _partition_block(program.graph, nodes, block, chunks)
+                _partition_block(rw, program, block, chunks)
         chunk = grad_chunk_bytes(plan.topology) if options.grad_chunk_bytes == "auto" else int(options.grad_chunk_bytes)
         program.annotations["comm_schedule"] = {"priority": options.priority, "grad_chunk_bytes": chunk if options.priority else 0}
-        program.gm.recompile()
+        rw.finish()
         return bool(blocks)
 
     @staticmethod
@@ -128,29 +129,33 @@ def _int_or_auto(name: str, value: str, minimum: int, too_small: str) -> None:
         raise PlanError(f"partition_a2a {too_small} (got {number})")
 
 
-def _region(nodes: dict[str, fx.Node], block: dict) -> dict[str, fx.Node]:
+# What expert_parallel leaves of one block, up to its local experts:
+# all_to_all -> group_by_expert -> expert_ffn, each named as _region calls it.
+EXPERT_PARALLEL_REGION = Pattern(
+    commfx.expert_ffn.default,
+    args=(Pattern(commfx.group_by_expert.default, args=(Pattern(commfx.all_to_all.default, name="received"),), name="grouped"),),
+    name="ffn",
+)
+
+
+def _region(program: Program, block: dict) -> dict[str, fx.Node]:
     """The nodes expert_parallel made for one block, checked."""
-    ffn = nodes[block["expert_ffn"]]
-    grouped = ffn.args[0]
-    received = grouped.args[0] if grouped.op == "call_function" else None
+    ffn = program.node(block["expert_ffn"])
+    found = EXPERT_PARALLEL_REGION.match(ffn)
     back_users = [u for u in ffn.users if u.target is commfx.group_by_expert.default]
-    if (
-        grouped.target is not commfx.group_by_expert.default
-        or received is None
-        or received.target is not commfx.all_to_all.default
-        or len(back_users) != 1
-    ):
+    if found is None or len(back_users) != 1:
         raise PassError(
             f"partition_a2a: {block['path']} does not have the shape expert_parallel makes "
             "(all_to_all -> group_by_expert -> expert_ffn -> group_by_expert -> all_to_all); "
             "run partition_a2a directly after expert_parallel"
         )
+    received = found["received"]
     back = back_users[0]
     returned = next(u for u in back.users if u.target is commfx.all_to_all.default)
     send_counts = received.args[1]
     return {
         "ffn": ffn,
-        "grouped": grouped,
+        "grouped": found["grouped"],
         "local_counts": ffn.args[1],
         "received": received,
         "back": back,
@@ -162,8 +167,8 @@ def _region(nodes: dict[str, fx.Node], block: dict) -> dict[str, fx.Node]:
     }
 
 
-def _partition_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, chunks: int) -> None:
-    region = _region(nodes, block)
+def _partition_block(rw: Rewriter, program: Program, block: dict, chunks: int) -> None:
+    region = _region(program, block)
     path = block["path"]
     if chunks == 1:  # nothing to split: name the collectives and give them their class
         for key, role in (("received", "dispatch"), ("returned", "combine")):
@@ -175,13 +180,9 @@ def _partition_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ch
     _, _, gate_up, down, activation = ffn.args
     group = region["received"].args[3]
     ep, local_experts = region["send_counts"].args[1]
+    make = rw.maker(ffn)
 
-    def make(target, args, purpose=None):
-        node = graph.call_function(target, args)
-        node.meta["nn_module_stack"] = dict(ffn.meta.get("nn_module_stack", {}))
-        return stamp(node, PASS, purpose) if purpose else node
-
-    with graph.inserting_before(region["received"]):
+    with rw.before(region["received"]):
         send_chunks = make(commfx.chunk_counts.default, (region["counts"], chunks), f"rows per expert in each of {chunks} chunks")
         recv_chunks = make(commfx.chunk_counts.default, (region["recv_counts"], chunks), "the same, for the rows this rank receives")
         pieces = make(commfx.split_chunks.default, (region["rows"], region["counts"], chunks), f"cut every expert's rows into {chunks} runs")
@@ -205,35 +206,25 @@ def _partition_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, ch
             returned.append(make(commfx.all_to_all.default, (back, recvs[j], sends[j], group, "a2a", tag), f"combine all-to-all, chunk {j + 1}/{chunks} (priority a2a)"))
         merged = make(commfx.merge_chunks.default, (returned, region["counts"], chunks), "rows back in dispatch order")
     region["returned"].replace_all_uses_with(merged)
-    for key in ("returned", "back", "ffn", "local_counts", "grouped", "received"):
-        graph.erase_node(region[key])
+    rw.erase(*(region[key] for key in ("returned", "back", "ffn", "local_counts", "grouped", "received")))
     block["expert_ffn"] = ffns[0].name
     block["expert_ffn_chunks"] = [n.name for n in ffns]
 
 
 
-def _partition_packed_block(graph: fx.Graph, nodes: dict[str, fx.Node], block: dict, chunks: int) -> None:
+def _partition_packed_block(rw: Rewriter, program: Program, block: dict, chunks: int) -> None:
     """A block pack_experts rewrote: rebuild its exchange (dispatch all-to-alls, local experts,
     weighted sum, combine all-to-all) in `chunks` pieces, each destination rank's token rows
     cut into `chunks` runs."""
-    old = [nodes[name] for name in block["packed_exchange"]]
-    rows, meta, send, recv_counts = (nodes[name] for name in block["packed_inputs"])
-    ffn = nodes[block["expert_ffn"]]
+    old = [program.node(name) for name in block["packed_exchange"]]
+    rows, meta, send, recv_counts = (program.node(name) for name in block["packed_inputs"])
+    ffn = program.node(block["expert_ffn"])
     ep = recv_counts.args[2]
     if chunks == 1:  # the packed exchange is one chunk already (its all-to-alls are class a2a)
         return
-
-    def make(target, args, purpose=None):
-        node = graph.call_function(target, args)
-        node.meta["nn_module_stack"] = dict(ffn.meta.get("nn_module_stack", {}))
-        return stamp(node, PASS, purpose) if purpose else node
-
-    with graph.inserting_before(old[0]):
-        back, made = build_exchange(make, rows, meta, send, recv_counts, ffn.args[3:6], ep, block["num_experts"] // ep, block["path"], chunks)
+    with rw.before(old[0]):
+        back, made = build_exchange(rw.maker(ffn), rows, meta, send, recv_counts, ffn.args[3:6], ep, block["num_experts"] // ep, block["path"], chunks)
     old[-1].replace_all_uses_with(back)
-    for node in reversed(old):
-        graph.erase_node(node)
+    rw.erase(*reversed(old))
     ffns = [n for n in made if n.target is commfx.packed_expert_ffn.default]
     block.update(expert_ffn=ffns[0].name, expert_ffn_chunks=[n.name for n in ffns], packed_exchange=[n.name for n in made])
-    for node in made:
-        nodes[node.name] = node
