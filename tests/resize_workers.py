@@ -69,11 +69,11 @@ def resize_suite(rank: int, world_size: int) -> dict:
     result["records_reference"] = _records(plain, ids, probe)
     result["resized"] = _diff(reference, _step(dm, ids, probe))
     result["error"] = resizer.error()
-    result["kept"] = {key: resizer.plan(key).kept for key in resizer.linears}
+    result["kept"] = {key: resizer.plan(key).columns.kept for key in resizer.linears}
     state = copy.deepcopy(dm.state_dict())
     resizer.restore()
     dm.load_state_dict(state)
-    result["kept_after_load"] = {key: resizer.plan(key).kept for key in resizer.linears}
+    result["kept_after_load"] = {key: resizer.plan(key).columns.kept for key in resizer.linears}
     resizer.restore()
 
     # Training: AdamW with migration on, off again, equals AdamW without it.

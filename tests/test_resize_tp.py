@@ -25,7 +25,8 @@ from commfx.models import load_model
 from commfx.plan import Plan, PlanError
 from commfx.runtime.comm import active, local_scheduler
 from commfx.runtime.launcher import launch
-from commfx.runtime.resize import Resizer, priority_columns
+from commfx.runtime.resize.columns import priority_columns
+from commfx.runtime.resize.resizer import Resizer
 from commfx.runtime.semi import SemiConfig, SemiState, decide
 
 commfx = torch.ops.commfx
@@ -69,11 +70,11 @@ def test_priority_keeps_the_columns_that_changed_most():
     # the next selection ranks by change since this one
     resizer = Resizer({"w": (weight, "row")}, {}, tp_rank=0, tp_size=2)
     resizer.resize(0.4)
-    assert resizer.plan("w").kept == [1, 4]
+    assert resizer.plan("w").columns.kept == [1, 4]
     weight[:, 0] += 3.0
     weight[:, 3] += 1.0
     resizer.resize(0.4)
-    assert resizer.plan("w").kept == [0, 3]
+    assert resizer.plan("w").columns.kept == [0, 3]
 
 
 def test_resize_and_migration_fractions_out_of_range_are_clear_errors():
@@ -86,7 +87,7 @@ def test_resize_and_migration_fractions_out_of_range_are_clear_errors():
     with pytest.raises(ValueError, match="two different tp ranks"):
         resizer.migrate(1, 1, 0.5)
     resizer.resize(0.5)
-    assert len(resizer.plan("w").kept) == 3
+    assert len(resizer.plan("w").columns.kept) == 3
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match=r"resize fraction must be in \(0, 1\] \(the share of units"):
             resizer.request_unit_resize(bad)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime.comm import current_scheduler
-from ..runtime.resize import linear_backward, linear_forward, units_backward, units_forward
+from ..runtime.resize.linear import linear_backward, linear_forward
+from ..runtime.resize.units import units_backward, units_forward
 
 
 def shard_index(layout: tuple[int, int, int] | list[int], part: int, parts: int) -> torch.Tensor:

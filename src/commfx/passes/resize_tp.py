@@ -1,7 +1,7 @@
 """resize_tp: tensor-parallel linears whose contraction width is runtime state.
 
 Every column- and row-parallel linear tensor_parallel made becomes `commfx.tp_linear`,
-which computes what the runtime's plan for it says this step (runtime/resize.py): all its
+which computes what the runtime's plan for it says this step (runtime/resize/): all its
 columns (plain tensor parallelism, the default), a kept subset (ZERO-resizing: a slow rank
 contracts over fewer columns, dropped ones imputed as zeros in backward, so every
 collective keeps its shape), or all but the units a faster rank computes (lossless
@@ -9,8 +9,8 @@ migration). For unit migration (`migrate=units`, the default where the tp group 
 replica) each block's row-parallel output also passes through `commfx.tp_units`, which on
 a taker adds the partial products of the units it computes for a slower rank, each from
 the block's replicated input with the tensor_parallel pass's unit function (an attention
-head, or a block of MLP columns, end to end). `migrate=columns` is the first design (row-
-parallel columns whose input the straggler sends every step), kept for tp x dp.
+head, or a block of MLP columns, end to end). `migrate=columns` moves row-
+parallel columns whose input the straggler sends every step; it is the migration for tp x dp.
 The SEMI-migration controller (runtime/semi.py) chooses between resizing and migrating
 from all-gathered step timings (ZERO-resizing and SEMI-migration: arXiv 2401.11469).
 The graph is the same on every rank and for every width: widths never reach a literal.

@@ -15,7 +15,7 @@ rather than 1/ratio, which would resize ever harder while the fixed part stays. 
 slower than the median of the others by `threshold` is a straggler:
 
 - light or transient slowness: **resize** it to the speed ratio (ZERO-resizing, lossy; by
-  whole units where the blocks have them, see resize.py);
+  whole units where the blocks have them, see resize/);
 - heavy (>= `heavy_ratio`) and persistent (`persist_windows` windows in a row), and moving
   costs less link time per step than the straggler's excess compute: **migrate** the share
   that balances the two ranks (lossless), m = (T_s - T_o) / (b_s + b_o) from the fits (the
@@ -30,7 +30,7 @@ slower than the median of the others by `threshold` is a straggler:
   both at 4/3 of a healthy step, and the healthy rank does the extra work), so SEMI aims at
   a step of (1 + `tolerance`) x the others': the others take only the units that fit in that
   budget and the straggler keeps the share of the rest that meets it, resizing by whole units
-  (`_units_decision`; `tolerance=inf`: lossless only, as before run 4);
+  (`_units_decision`; `tolerance=inf`: lossless only, migration and no resizing);
 - a migration after which a step takes longer than a step at full width did before it
   (measured in each of the `persist_windows` windows right after it starts: one slow window
   may be the machine's, and later windows would blame it for the machine's drift) is
@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..plan import Topology
-from .resize import Resizer, UnitBlock
+from .resize.resizer import Resizer
+from .resize.units import UnitBlock
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class SemiConfig:
     max_migrate: float = 0.75
     heavy_ratio: float = 1.5
     persist_windows: int = 2
-    migrate: str = "units"  # units | columns (what a migration moves; see resize.py)
+    migrate: str = "units"  # units | columns (what a migration moves; see resize/)
     tolerance: float = 0.05  # unit SEMI: the step it aims at, over the others' (inf: lossless only)
 
 
@@ -263,7 +264,7 @@ def decide(
     why = "mode=resize" if config.mode == "resize" else (
         "light" if not heavy else "transient" if not persistent else state.migration_failed or "moving would cost more than the excess"
     )
-    what = "units" if config.migrate == "units" else "columns"  # what resizing drops (resize.py)
+    what = "units" if config.migrate == "units" else "columns"  # what resizing drops (resize/)
     return made("resize", keep_fraction, f"{why}: keep {keep_fraction:.0%} of its {what}")
 
 
