@@ -1,4 +1,4 @@
-"""Smoke tests of `commfx bench` (commfx.bench.harness, commfx.cli.bench).
+"""Smoke tests of `commfx bench` (commfx.bench.harness and its modules, commfx.cli.bench).
 
 The bench runs in a subprocess (the real command line, bounded in time) on a 2-node x
 1-rank cluster with the tiny model. Bytes are checked against an analytic count: in
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from commfx.bench.harness import Timing, _cluster_times
+from commfx.bench.results import Timing, _cluster_times
 from commfx.models import load_model
 from commfx.ops.moe import expert_capacity
 from commfx.bench.cluster import namespace_problem, list_run_namespaces
@@ -138,7 +138,7 @@ def test_cluster_times_from_shared_clock():
 
 
 def test_build_config_takes_extra_plans_and_puts_link_figures_in_their_topology():
-    from commfx.bench.harness import build_config
+    from commfx.bench.config import build_config
     from commfx.bench.cluster import LinkSpec
 
     config = build_config(

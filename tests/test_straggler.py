@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from commfx.bench import straggler
-from commfx.bench.harness import build_config
+from commfx.bench.config import build_config
 from commfx.bench.straggler import RankSlowdown, cgroup_problem, check_request, parse_slow_rank, prepare
 from commfx.runtime.executor import SLEEP_SLICE_S, pay_delay, stretch
 

@@ -119,7 +119,9 @@ def _number(text: str):
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..bench.harness import build_config, render, run_bench
+    from ..bench.config import build_config
+    from ..bench.harness import run_bench
+    from ..bench.render import render
     from ..bench.cluster import LinkSpec
     from .checks import check_local_world, check_output_paths
 

@@ -1,0 +1,213 @@
+"""What a `commfx bench` run found: per-rank samples summarised into timings of the whole
+cluster (:class:`Timing`), one :class:`PlanResult` per plan and the :class:`BenchResult`,
+which is what the JSON holds and the tables render."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cluster import LinkSpec
+from .config import BenchConfig
+
+TIMING_KINDS = ("wall", "compute", "comm")
+
+
+@dataclass
+class Timing:
+    """Per-step seconds (of the whole cluster) and their median and spread."""
+
+    samples: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def quantile(self, q: float) -> float:
+        values = sorted(self.samples)
+        if len(values) == 1:
+            return values[0]
+        position = q * (len(values) - 1)
+        low = int(position)
+        high = min(low + 1, len(values) - 1)
+        return values[low] + (values[high] - values[low]) * (position - low)
+
+    def as_dict(self) -> dict:
+        return {
+            "median_s": self.median, "p25_s": self.quantile(0.25), "p75_s": self.quantile(0.75),
+            "min_s": min(self.samples), "max_s": max(self.samples), "samples_s": self.samples,
+        }
+
+
+@dataclass
+class PlanResult:
+    label: str
+    passes: str
+    wall: Timing
+    compute: Timing
+    comm: Timing
+    bytes: dict[str, dict[str, float]]  # kind -> calls / intra_node_bytes / inter_node_bytes, per step, all ranks
+    rank_compute: list[Timing] = field(default_factory=list)  # per rank: its own compute-only step time
+    rank_own_compute: list[Timing] = field(default_factory=list)  # per rank: training step less its comm waits
+    slowed: bool = False  # the straggler (if any) was slow in this plan
+    decisions: list[str] = field(default_factory=list)  # resize_tp's decisions (rank 0's; every rank's are the same)
+    placement_decisions: list[str] = field(default_factory=list)  # pack_experts re-placements (rank 0's)
+
+    @property
+    def bound(self) -> float:
+        """Perfect-overlap bound: a step can not be faster than its compute or its comm."""
+        return max(self.compute.median, self.comm.median)
+
+    def total(self, key: str) -> float:
+        return sum(entry[key] for entry in self.bytes.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "label": self.label, "passes": self.passes,
+            "wall": self.wall.as_dict(), "compute_only": self.compute.as_dict(), "comm_only": self.comm.as_dict(),
+            "overlap_bound_s": self.bound,
+            "bytes_per_step": self.bytes,
+            "intra_node_bytes_per_step": self.total("intra_node_bytes"),
+            "inter_node_bytes_per_step": self.total("inter_node_bytes"),
+            "rank_compute_only_median_s": [t.median for t in self.rank_compute],
+            "rank_step_compute_median_s": [t.median for t in self.rank_own_compute],
+            "straggler_slowed": self.slowed, "resize_tp_decisions": self.decisions,
+            "expert_placement_decisions": self.placement_decisions,
+        }
+
+
+@dataclass
+class BenchResult:
+    model: str
+    model_kwargs: dict[str, Any]
+    nodes: int
+    ranks_per_node: int
+    link: str | None
+    emulated: bool
+    cluster: str  # EmulatedCluster.describe()
+    fallback_reason: str
+    steps: int
+    warmup: int
+    plans: list[PlanResult]
+    steps_per_round: int = 1
+    paired_wall_ratio: Timing | None = None  # per-round plan wall / baseline wall
+    calibration: dict | None = None
+    machine: dict = field(default_factory=dict)
+    date: str = ""
+    straggler: dict | None = None  # SlowRank.as_dict(): who was slow, by how much, how
+
+    @property
+    def baseline(self) -> PlanResult | None:
+        return self.plans[1] if len(self.plans) > 1 else None
+
+    def ratios(self) -> dict[str, float] | None:
+        """plan ÷ baseline for every headline number (< 1: the plan needs less)."""
+        if self.baseline is None:
+            return None
+        plan, base = self.plans[0], self.baseline
+        values = {
+            "wall": (plan.wall.median, base.wall.median),
+            "compute_only": (plan.compute.median, base.compute.median),
+            "comm_only": (plan.comm.median, base.comm.median),
+            "overlap_bound": (plan.bound, base.bound),
+            "inter_node_bytes": (plan.total("inter_node_bytes"), base.total("inter_node_bytes")),
+            "intra_node_bytes": (plan.total("intra_node_bytes"), base.total("intra_node_bytes")),
+        }
+        return {k: (a / b if b else float("nan")) for k, (a, b) in values.items()}
+
+    def wall_ratios(self) -> dict[str, dict[str, float]] | None:
+        """Per plan: wall ÷ baseline wall, and wall ÷ the baseline's perfect-overlap bound."""
+        base = self.baseline
+        if base is None:
+            return None
+        return {
+            p.label: {"wall_over_baseline_wall": p.wall.median / base.wall.median,
+                      "wall_over_baseline_bound": p.wall.median / base.bound,
+                      "wall_over_own_bound": p.wall.median / p.bound}
+            for p in self.plans
+        }
+
+    def as_dict(self) -> dict:
+        out = {
+            "model": self.model, "model_kwargs": self.model_kwargs,
+            "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.nodes * self.ranks_per_node,
+            "inter_node_link": self.link, "emulated": self.emulated, "cluster": self.cluster,
+            "fallback_reason": self.fallback_reason, "steps": self.steps, "warmup": self.warmup,
+            "steps_per_round": self.steps_per_round,
+            "plans": [p.as_dict() for p in self.plans],
+            "ratios_plan_over_baseline": self.ratios(),
+            "wall_over_baseline": self.wall_ratios(),
+            "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
+            "calibration": self.calibration, "machine": self.machine, "date": self.date,
+            "straggler": self.straggler,
+        }
+        return out
+
+
+def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: LinkSpec | None) -> BenchResult:
+    """Per-rank samples -> one result: slowest rank per step, bytes summed over ranks."""
+    plans = []
+    for spec in config.plans:
+        per_rank = [samples[spec.label] for samples in rank_samples]
+        timings = {kind: Timing(_cluster_times([r[kind] for r in per_rank], kind)) for kind in TIMING_KINDS}
+        plans.append(PlanResult(
+            spec.label, spec.passes, timings["wall"], timings["compute"], timings["comm"],
+            _bytes_per_step([r["bytes"] for r in per_rank]),
+            rank_compute=[Timing([end - start for start, end in r["compute"]]) for r in per_rank],
+            rank_own_compute=[Timing(r["own_compute"]) for r in per_rank],
+            slowed=config.slow is not None and spec.label not in config.healthy,
+            decisions=per_rank[0].get("decisions", []),
+            placement_decisions=per_rank[0].get("placement_decisions", []),
+        ))
+    paired = None
+    if len(plans) > 1:
+        paired = Timing([a / b for a, b in zip(plans[0].wall.samples, plans[1].wall.samples)])
+    return BenchResult(
+        model=config.model, model_kwargs=config.model_kwargs, nodes=cluster.nodes,
+        ranks_per_node=cluster.ranks_per_node, link=str(link) if link else None, emulated=cluster.emulated,
+        cluster=cluster.describe(), fallback_reason=cluster.reason, steps=config.steps, warmup=config.warmup,
+        steps_per_round=config.steps_per_round, plans=plans, paired_wall_ratio=paired, machine=machine_info(),
+        date=_dt.date.today().isoformat(), straggler=config.slow.as_dict() if config.slow else None,
+    )
+
+
+def _cluster_times(per_rank_spans: list[list[tuple[float, float]]], kind: str) -> list[float]:
+    """Per step: last start to last end for phases that communicate, else the slowest rank."""
+    times = []
+    for spans in zip(*per_rank_spans):
+        if kind == "compute":
+            times.append(max(end - start for start, end in spans))
+        else:
+            times.append(max(end for _, end in spans) - max(start for start, _ in spans))
+    return times
+
+
+def _bytes_per_step(per_rank_steps: list[list[dict]]) -> dict[str, dict[str, float]]:
+    """Mean over steps of the bytes all ranks sent, per collective kind (exact integers
+    whenever every step sends the same, as in capacity mode)."""
+    steps = len(per_rank_steps[0])
+    totals: dict[str, dict[str, int]] = {}
+    for rank_steps in per_rank_steps:
+        for step in rank_steps:
+            for kind, entry in step.items():
+                slot = totals.setdefault(kind, {"calls": 0, "intra_node_bytes": 0, "inter_node_bytes": 0})
+                for key in slot:
+                    slot[key] += entry[key]
+    return {kind: {key: _exact_mean(value, steps) for key, value in slot.items()} for kind, slot in sorted(totals.items())}
+
+
+def _exact_mean(total: int, count: int) -> float | int:
+    return total // count if total % count == 0 else total / count
+
+
+def machine_info() -> dict:
+    return {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__, "backend": "gloo (CPU)",
+    }

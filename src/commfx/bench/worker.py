@@ -1,0 +1,214 @@
+"""What each rank of `commfx bench` runs (:func:`bench_worker`, started by the launcher):
+every plan's distributed module, then interleaved rounds of the three timed phases (see
+:mod:`commfx.bench.harness`), and the samples sent back to the parent."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .config import BenchConfig, PlanSpec
+from .results import TIMING_KINDS
+from .straggler import RankSlowdown
+
+
+class _PlanRunner:
+    """One plan's distributed module on this rank, able to run the three timed phases."""
+
+    def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
+        from ..api import distribute
+        from ..models import load_model
+        from ..runtime.pipeline.module import PipelineModule
+        from ..verify import data_share, local_batch
+
+        self.spec = spec
+        model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
+        self.inputs = local_batch(inputs, *data_share(spec.plan, rank))  # a tuple, or a dict of keyword tensors
+        self.dm = distribute(model, spec.plan, self.inputs)
+        self.pipelined = isinstance(self.dm, PipelineModule)
+        self.scheduler = self.dm.scheduler
+        self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
+        self.records: list = []
+        self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": []}
+        self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
+        if self.controller is not None:
+            self.controller.attach_optimizer(self.optimizer)  # migrated units move their AdamW state with them
+        packing = getattr(self.dm, "packing", None) or {}
+        self.replace_every = max((spec["replace_every"] for spec in packing.values()), default=0)
+        self.real_steps = 0
+        self.placement_lines: list[str] = []  # what each re-placement did (the same on every rank)
+        self.steps_per_round = config.steps_per_round
+        if getattr(self.dm, "deferred", None) is not None:
+            self.dm.deferred.attach(self.optimizer)  # defer_grad_sync: the optimizer catches deferred parameters up
+
+    def _train_step(self) -> None:
+        from ..runtime.comm import install_default
+        from ..train import loss_fn
+        from ..verify import batch_tensors, call
+
+        # Backward comm ops find the process-default scheduler: make it this plan's.
+        install_default(self.scheduler)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.pipelined:
+            args, kwargs = ((), self.inputs) if isinstance(self.inputs, dict) else (self.inputs, {})
+            self.dm.step(*args, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs), **kwargs)
+        else:
+            loss_fn(call(self.dm, self.inputs), batch_tensors(self.inputs)).backward()
+        self.optimizer.step()
+
+    def step(self) -> tuple[tuple[float, float], dict]:
+        """A real training step; records its collectives and exact bytes for this round."""
+        self.scheduler.stats.reset()
+        self.scheduler.records = []
+        self.scheduler.barrier()
+        blocked = self.scheduler.blocked_s
+        start = time.monotonic()
+        self._train_steps()
+        span = _per_step(start, time.monotonic(), self.steps_per_round)
+        self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked) / self.steps_per_round  # wall less comm waits
+        self.records, self.scheduler.records = self.scheduler.records, None
+        stats = {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
+        self._replace_experts_when_due()
+        return span, stats
+
+    def _train_steps(self) -> None:
+        """`steps_per_round` training steps back to back, then every deferred gradient settled."""
+        for _ in range(self.steps_per_round):
+            self._train_step()
+        if not self.pipelined:
+            self.dm.synchronize()
+
+    def _replace_experts_when_due(self) -> None:
+        """pack_experts:replace_every=N: re-place experts after every N real steps, as a
+        training run does (`attach_optimizer`), but outside the timed span and its byte count
+        (at most once per round: after the round whose steps reach the next multiple of N),
+        and never after the compute-only replay, whose collectives are local copies (ranks
+        would decide from different statistics)."""
+        before, self.real_steps = self.real_steps, self.real_steps + self.steps_per_round
+        if self.replace_every and self.real_steps // self.replace_every > before // self.replace_every:
+            for d in self.dm.replace_experts(self.optimizer):
+                self.placement_lines.append(
+                    f"after step {self.real_steps}: {d.op_id} moved {d.moved} experts, co-located selections "
+                    f"{d.colocated_before:.0f} -> {d.colocated_after:.0f}, max load {d.max_load:.0f} (bound {d.bound:.0f})")
+
+    def compute_only(self) -> tuple[float, float]:
+        """The same step with every collective replaced by a same-size local copy."""
+        self.scheduler.barrier()  # a real barrier, before the collectives turn local
+        self.scheduler.local_only = True
+        if self.controller is not None:
+            self.controller.enabled = False  # local timings only: nothing to decide on
+        try:
+            start = time.monotonic()
+            self._train_steps()
+            return _per_step(start, time.monotonic(), self.steps_per_round)
+        finally:
+            self.scheduler.local_only = False
+            if self.controller is not None:
+                self.controller.enabled = True
+
+    def comm_only(self) -> tuple[float, float]:
+        """The collectives of this round's training step, alone, back to back."""
+        buffers = [_dummy_buffer(r) for r in self.records]  # allocated outside the timing
+        self.scheduler.barrier()
+        start = time.monotonic()
+        transfers = []  # point-to-point: queued in record order (a lane per direction), waited at the end
+        for record, buffer in zip(self.records, buffers):
+            if record.peer >= 0:
+                start_p2p = self.scheduler.start_send if record.send_rows else self.scheduler.start_recv
+                transfers.append(start_p2p(buffer, record.group, record.peer, kind=record.kind, priority=record.priority, lane=record.lane))
+            elif record.kind == "all_to_all":
+                self.scheduler.all_to_all(buffer, list(record.send_rows), list(record.recv_rows), record.group)
+            else:
+                self.scheduler.all_reduce(buffer, record.group, kind=record.kind)
+        for pending in transfers:
+            self.scheduler.wait(pending)
+        return _per_step(start, time.monotonic(), self.steps_per_round)
+
+    def traced_round(self, rank: int, trace_dir: str) -> str:
+        """One more round with the timeline on (its `steps_per_round` steps, each a slice on
+        the steps track, and the final settling of deferred traffic): later steps show the
+        steady state, where the previous step's deferred work runs in this one's forward.
+        Writes this rank's trace file."""
+        from ..runtime.trace import Timeline, rank_trace_path
+
+        self.dm.timeline, self.scheduler.dispatcher.history = Timeline(rank), []
+        try:
+            self.scheduler.barrier()
+            for index in range(self.steps_per_round):
+                start = time.perf_counter()
+                self._train_step()
+                self.dm.timeline.step(index, start, time.perf_counter())
+            if not self.pipelined:
+                self.dm.synchronize()
+            path = rank_trace_path(Path(trace_dir) / f"{self.spec.label}.json", rank)
+            return str(self.dm.timeline.write(path, self.scheduler.dispatcher.history))
+        finally:
+            self.dm.timeline, self.scheduler.dispatcher.history = None, None
+
+    def round(self, keep: bool, slowdown: RankSlowdown, slowed: bool) -> None:
+        """Run the three phases once (this rank slowed if it is the straggler and the plan is
+        not a healthy reference); keep the samples unless this is warm-up."""
+        with slowdown.applied(self.scheduler, active=slowed):
+            wall, nbytes = self.step()
+            compute = self.compute_only()
+        comm = self.comm_only()
+        if keep:
+            for kind, value in zip(TIMING_KINDS, (wall, compute, comm)):
+                self.samples[kind].append(value)
+            self.samples["bytes"].append(nbytes)
+            self.samples["own_compute"].append(self.own_compute)
+
+    def decisions(self) -> list[str]:
+        """What resize_tp's controller did (the same on every rank)."""
+        if self.controller is None:
+            return []
+        return [d.line() for d in self.controller.decisions if d.action != "keep"]
+
+
+def _per_step(start: float, end: float, steps: int) -> tuple[float, float]:
+    """A span of `steps` steps as the span of one (the same start, a 1/steps share of the time)."""
+    return start, start + (end - start) / steps
+
+
+def _dummy_buffer(record) -> torch.Tensor:
+    if record.peer >= 0:  # a point-to-point send or receive
+        return torch.zeros((record.send_rows or record.recv_rows)[0], dtype=record.dtype)
+    if record.kind == "all_to_all":
+        return torch.zeros((sum(record.send_rows), *record.row_shape), dtype=record.dtype)
+    return torch.zeros(record.send_rows[0], dtype=record.dtype)
+
+
+def _report_progress(path: str | None, done: int, total: int, phase: str) -> None:
+    """Rank 0 tells the parent how far it is (the parent draws the progress bar)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{done} {total} {phase}\n")
+    os.replace(tmp, path)
+
+
+def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
+    """Run on every rank by the launcher: build every plan, then interleaved rounds."""
+    progress = config.progress_path if rank == 0 else None
+    total = config.warmup + config.steps
+    _report_progress(progress, 0, total, "compiling")
+    runners = [_PlanRunner(spec, config, rank, world_size) for spec in config.plans]
+    slowdown = RankSlowdown(config.slow, rank)
+    for index in range(total):
+        phase = "warm-up" if index < config.warmup else "measuring"
+        _report_progress(progress, index, total, phase)
+        order = runners if index % 2 == 0 else runners[::-1]
+        for runner in order:
+            runner.round(keep=index >= config.warmup, slowdown=slowdown, slowed=runner.spec.label not in config.healthy)
+    _report_progress(progress, total, total, "done")
+    for runner in runners:
+        runner.samples["decisions"] = runner.decisions()
+        runner.samples["placement_decisions"] = runner.placement_lines
+    if config.trace_dir:
+        for runner in runners:
+            runner.samples["trace"] = runner.traced_round(rank, config.trace_dir)
+    return {runner.spec.label: runner.samples for runner in runners}
