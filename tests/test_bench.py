@@ -21,7 +21,7 @@ import pytest
 from commfx.bench.results import Timing, _cluster_times
 from commfx.models import load_model
 from commfx.ops.moe import expert_capacity
-from commfx.bench.cluster import namespace_problem, list_run_namespaces
+from commfx.bench.netns import namespace_problem, list_run_namespaces
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]  # one worker builds namespaces at a time
 
@@ -139,7 +139,7 @@ def test_cluster_times_from_shared_clock():
 
 def test_build_config_takes_extra_plans_and_puts_link_figures_in_their_topology():
     from commfx.bench.config import build_config
-    from commfx.bench.cluster import LinkSpec
+    from commfx.bench.links import LinkSpec
 
     config = build_config(
         "gpt-moe-tiny", "lift,expert_parallel,partition_a2a", "lift,expert_parallel", nodes=2, ranks_per_node=1,

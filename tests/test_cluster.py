@@ -27,14 +27,10 @@ except ImportError:  # not installed: use the source tree
 
 from commfx.bench import calibrate
 from commfx.bench import cluster as cl
-from commfx.bench.cluster import (
-    namespace_problem,
-    ClusterError,
-    ClusterUnavailable,
-    EmulatedCluster,
-    LinkSpec,
-    cleanup_stale,
-)
+from commfx.bench import netns as ns_module
+from commfx.bench.cluster import ClusterUnavailable, EmulatedCluster
+from commfx.bench.links import LinkSpec
+from commfx.bench.netns import ClusterError, cleanup_stale, namespace_problem
 
 CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
@@ -117,14 +113,14 @@ def test_linkspec_constructor_validates():
 
 
 def test_fallback_when_netns_add_fails(monkeypatch):
-    real = cl._run
+    real = cl.run_command
 
     def fake(argv, *a, **k):
         if argv[:3] == ["ip", "netns", "add"]:
             raise ClusterError("`ip netns add` failed (rc=1): Operation not permitted (simulated)")
         return real(argv, *a, **k)
 
-    monkeypatch.setattr(cl, "_run", fake)
+    monkeypatch.setattr(cl, "run_command", fake)
     with EmulatedCluster(2, 2, LinkSpec("1gbit")) as c:
         assert not c.emulated
         assert c.reason  # says why
@@ -141,7 +137,7 @@ def test_fallback_when_netns_add_fails(monkeypatch):
 
 
 def test_fallback_when_not_root(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(ns_module.os, "geteuid", lambda: 1000)
     with EmulatedCluster(2, 1, None) as c:
         assert not c.emulated and "root" in c.reason
         assert c.rank_launch(1).env["GLOO_SOCKET_IFNAME"] == "lo"
@@ -151,8 +147,8 @@ def test_fallback_when_not_root(monkeypatch):
 
 
 def test_fallback_when_no_ip(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cl.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ns_module.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(ns_module.shutil, "which", lambda name: None)
     with pytest.raises(ClusterUnavailable, match="apt-get install -y iproute2"):
         with EmulatedCluster(2, 1, None, allow_fallback=False):
             pass
@@ -195,7 +191,8 @@ def test_cleanup_after_exception(netns):
 _CHILD = r"""
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
-from commfx.bench.cluster import EmulatedCluster, LinkSpec
+from commfx.bench.cluster import EmulatedCluster
+from commfx.bench.links import LinkSpec
 with EmulatedCluster(2, 2, LinkSpec("100mbit", "1ms"), allow_fallback=False) as c:
     print(c.tag, c._ifp, c._delay_proc.pid if c._delay_proc else 0, flush=True)
     time.sleep(60)

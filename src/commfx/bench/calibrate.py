@@ -266,7 +266,8 @@ def _main(argv: list[str] | None = None) -> int:
     """``python -m commfx.bench.calibrate --link 200mbit,1ms``: print measurements."""
     import argparse
 
-    from commfx.bench.cluster import EmulatedCluster, LinkSpec
+    from commfx.bench.cluster import EmulatedCluster
+    from commfx.bench.links import LinkSpec
 
     ap = argparse.ArgumentParser(description="measure compute rate and emulated link")
     ap.add_argument("--link", default="1gbit", help="RATE[,LATENCY] or 'none'")

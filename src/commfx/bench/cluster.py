@@ -23,10 +23,8 @@ through IP routing, where the delay line can be inserted.
   sch_netem.  Otherwise (e.g. kernels built without CONFIG_NET_SCH_NETEM) a user-space
   delay line in the hub namespace: policy routing (``ip rule iif Ph<i> lookup 100``,
   table 100: ``default dev Pd``) hands every packet arriving from a node to a tun
-  device; a small Python process holds it for ``latency`` and writes it back, and the
-  main table forwards it to the destination veth.  Measured overhead of the delay
-  line: ~50-100 us per direction on top of the set latency; throughput up to ~5gbit
-  (it uses 64 KB MTU above 1gbit).
+  device; a small Python program (:mod:`commfx.bench.delay_line`) holds it for
+  ``latency`` and writes it back, and the main table forwards it to the destination veth.
 
 Nothing is created in the host's root network namespace: all links, addresses, routes
 and qdiscs live in namespaces this module creates, and the address plan
@@ -55,9 +53,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -66,108 +62,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-__all__ = [
-    "LinkSpec",
-    "RankLaunch",
-    "EmulatedCluster",
-    "ClusterUnavailable",
-    "ClusterError",
-    "cleanup_stale",
-    "list_run_namespaces",
-]
+from . import delay_line
+from .links import LinkSpec
+from .netns import (ETC_NETNS, NAME_PREFIX, SUBNET, ClusterError, cleanup_stale, delete_namespaces, list_run_namespaces,
+                    namespace_problem, run_command)
 
-NAME_PREFIX = "cfx"
-SUBNET = "10.231"  # 10.231.<node>.0/24, only ever used inside our namespaces
-ETC_NETNS = "/etc/netns"  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
-CMD_TIMEOUT_S = 20.0  # bound for every `ip` / `tc` call
+__all__ = ["EmulatedCluster", "RankLaunch", "ClusterUnavailable"]
+
 _RT_TABLE = "100"  # policy-routing table of the delay line (inside the hub namespace)
-_NS_RE = re.compile(rf"^{NAME_PREFIX}(\d+)x(\d+)-(hub|n\d+)$")
 _RUN_COUNTER = itertools.count()
 
 
 class ClusterUnavailable(RuntimeError):
     """Network namespaces could not be created and fallback was not allowed."""
-
-
-class ClusterError(RuntimeError):
-    """A setup command failed."""
-
-
-# --------------------------------------------------------------------------- LinkSpec
-
-# tc units; "bps" is BYTES per second in tc, as here.
-_RATE_UNITS = {
-    "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 1024.0, "mibit": 1024.0**2, "gibit": 1024.0**3,
-    "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
-}
-_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
-_NUM_UNIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def _parse_rate(text: str) -> float:
-    m = _NUM_UNIT_RE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _RATE_UNITS:
-        raise ValueError(
-            f"bad link rate {text!r}: expected NUMBER+UNIT with UNIT one of "
-            f"{', '.join(_RATE_UNITS)} (tc units; 'bps' means bytes/s), e.g. '1gbit', '200mbit'"
-        )
-    bits = float(m.group(1)) * _RATE_UNITS[unit]
-    if not 8e3 <= bits <= 1e12:
-        raise ValueError(f"bad link rate {text!r}: must be between 8kbit and 1tbit")
-    return bits
-
-
-def _parse_time(text: str) -> float:
-    m = _NUM_UNIT_RE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m and unit == "" and float(m.group(1)) == 0.0:
-        return 0.0
-    if not m or unit not in _TIME_UNITS:
-        raise ValueError(
-            f"bad latency {text!r}: expected NUMBER+UNIT with UNIT one of "
-            f"{', '.join(_TIME_UNITS)}, e.g. '1ms', '250us', '0ms'"
-        )
-    sec = float(m.group(1)) * _TIME_UNITS[unit]
-    if sec > 10.0:
-        raise ValueError(f"bad latency {text!r}: at most 10s")
-    return sec
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """Inter-node link: per-node NIC ``rate`` (each direction) and one-way ``latency``."""
-
-    rate: str  # tc rate, e.g. "1gbit", "200mbit"
-    latency: str = "0ms"  # one-way delay added on inter-node traffic, e.g. "1ms"
-
-    def __post_init__(self) -> None:
-        _parse_rate(self.rate)
-        _parse_time(self.latency)
-
-    @property
-    def rate_bits(self) -> float:
-        """Rate in bits per second."""
-        return _parse_rate(self.rate)
-
-    @property
-    def latency_s(self) -> float:
-        """One-way latency in seconds."""
-        return _parse_time(self.latency)
-
-    @classmethod
-    def parse(cls, text: str) -> "LinkSpec":
-        """Parse ``"RATE[,LATENCY]"``, e.g. ``"1gbit"``, ``"200mbit,1ms"``."""
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("empty link spec: expected 'RATE[,LATENCY]', e.g. '1gbit,1ms'")
-        parts = [p.strip() for p in text.split(",")]
-        if len(parts) > 2 or any(not p for p in parts):
-            raise ValueError(f"bad link spec {text!r}: expected 'RATE[,LATENCY]', e.g. '1gbit,1ms'")
-        return cls(*parts)
-
-    def __str__(self) -> str:
-        return f"{self.rate},{self.latency}"
 
 
 @dataclass(frozen=True)
@@ -176,146 +83,6 @@ class RankLaunch:
 
     prefix: list[str]  # e.g. ["ip", "netns", "exec", ns]; [] on fallback
     env: dict[str, str] = field(default_factory=dict)  # MASTER_ADDR, GLOO_SOCKET_IFNAME, NODE_RANK, LOCAL_RANK
-
-
-# --------------------------------------------------------------------------- commands
-
-
-def _run(argv: list[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
-    """Run one setup/teardown command, bounded in time. Tests monkeypatch this."""
-    try:
-        proc = subprocess.run(
-            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False,
-            start_new_session=True,  # a second Ctrl-C must not kill a cleanup command half-way
-        )
-    except subprocess.TimeoutExpired as e:
-        raise ClusterError(f"timed out after {timeout}s: {' '.join(argv)}") from e
-    except OSError as e:
-        raise ClusterError(f"cannot run {' '.join(argv)}: {e}") from e
-    if check and proc.returncode != 0:
-        raise ClusterError(f"`{' '.join(argv)}` failed (rc={proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _ip_netns_names() -> list[str]:
-    if not shutil.which("ip"):
-        return []
-    try:
-        out = _run(["ip", "netns", "list"], check=False).stdout
-    except ClusterError:
-        return []
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def list_run_namespaces() -> list[str]:
-    """Names of all network namespaces that look like ours (``cfx<pid>x<k>-...``),
-    plus names that only have a leftover ``/etc/netns/<name>`` directory."""
-    names = _ip_netns_names()
-    try:
-        names += [n for n in os.listdir(ETC_NETNS) if n not in names]
-    except OSError:
-        pass
-    return [n for n in names if _NS_RE.match(n)]
-
-
-def _kill_ns_pids(ns: str) -> None:
-    """SIGKILL processes still inside one of *our* namespaces (orphaned ranks, delay line)."""
-    try:
-        out = _run(["ip", "netns", "pids", ns], check=False, timeout=5).stdout
-    except ClusterError:
-        return
-    for tok in out.split():
-        if tok.isdigit() and int(tok) != os.getpid():
-            try:
-                os.kill(int(tok), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _delete_namespaces(names: list[str]) -> list[str]:
-    """Delete namespaces (node namespaces before hub); returns the ones that could not be deleted."""
-    failed = []
-    ordered = sorted(names, key=lambda n: n.endswith("-hub"))
-    for ns in ordered:
-        _kill_ns_pids(ns)
-    for ns in ordered:
-        try:
-            _run(["ip", "netns", "del", ns], check=False, timeout=10)
-        except ClusterError:
-            pass
-    remaining = set(_ip_netns_names())
-    for ns in ordered:
-        if ns in remaining:
-            failed.append(ns)
-        elif _NS_RE.match(ns):
-            shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
-    try:
-        os.rmdir(ETC_NETNS)  # only succeeds when empty
-    except OSError:
-        pass
-    return failed
-
-
-def cleanup_stale() -> list[str]:
-    """Remove namespaces (and with them links/qdiscs) of runs whose process is gone.
-
-    Only touches names matching ``cfx<pid>x<k>-(hub|n<i>)`` whose ``<pid>`` is not a live
-    process.  Returns the names removed.
-    """
-    stale = []
-    for ns in list_run_namespaces():
-        m = _NS_RE.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
-            stale.append(ns)
-    if stale:
-        _delete_namespaces(stale)
-    return stale
-
-
-# --------------------------------------------------------------------------- delay line
-
-# Runs inside the hub namespace; holds each packet read from a tun device for DELAY s.
-_DELAY_LINE_SRC = r"""
-import collections, fcntl, os, select, signal, struct, sys, time
-name, delay, ppid, mtu = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-try:  # PR_SET_TIMERSLACK 1us: wake up on time (default slack is 50us)
-    import ctypes; ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)
-except Exception:
-    pass
-fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
-fcntl.ioctl(fd, 0x400454CA, struct.pack("16sH", name.encode(), 0x0001 | 0x1000))  # TUNSETIFF, IFF_TUN|IFF_NO_PI
-sys.stdout.write("ready\n"); sys.stdout.flush()
-q = collections.deque(); cap = 1 << 16; bufsz = mtu + 64
-mono, rd, wr, sel = time.monotonic, os.read, os.write, select.select
-while os.getppid() == ppid:
-    now = mono()
-    while q and q[0][0] <= now:
-        try:
-            wr(fd, q.popleft()[1])
-        except OSError:
-            pass
-    wait = min(q[0][0] - now, 0.5) if q else 0.5
-    if sel([fd], [], [], max(wait, 0.0))[0]:
-        due = mono() + delay
-        for _ in range(512):
-            try:
-                pkt = rd(fd, bufsz)
-            except (BlockingIOError, InterruptedError):
-                break
-            if len(q) < cap:
-                q.append((due, pkt))
-"""
 
 
 def _readline_bounded(stream, timeout: float) -> str:
@@ -334,20 +101,6 @@ def _readline_bounded(stream, timeout: float) -> str:
             break
         buf += chunk
     return buf.decode(errors="replace").strip()
-
-
-# --------------------------------------------------------------------------- cluster
-
-
-def namespace_problem() -> str:
-    """Why this machine cannot make network namespaces ("" when it can)."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "not running as root (network namespaces and tc need root)"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "`ip`/`tc` not found (install iproute2: apt-get install -y iproute2)"
-    return ""
 
 
 class EmulatedCluster:
@@ -516,11 +269,11 @@ class EmulatedCluster:
         self.latency_backend = "none"
 
     def _ns_sh(self, ns: str, script: str) -> None:
-        _run(["ip", "netns", "exec", ns, "sh", "-c", script])
+        run_command(["ip", "netns", "exec", ns, "sh", "-c", script])
 
     def _add_ns(self, ns: str) -> None:
         self._created.append(ns)  # record first: cleanup tries even if `add` half-worked
-        _run(["ip", "netns", "add", ns])
+        run_command(["ip", "netns", "add", ns])
 
     def _write_hosts(self, i: int) -> None:
         """/etc/hosts as seen inside node i (via `ip netns exec`): the machine's hostname
@@ -548,7 +301,7 @@ class EmulatedCluster:
         rate_bytes = self.link.rate_bits / 8
         burst = int(max(2 * self.mtu + 2048, rate_bytes * 0.001))  # >= 2 packets, ~1 ms of traffic
         limit = int(max(4 * burst, rate_bytes * 0.02))  # ~20 ms queue
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf",
+        run_command(["tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf",
               "rate", f"{int(self.link.rate_bits)}bit", "burst", str(burst), "limit", str(limit)])
 
     def _create(self) -> None:
@@ -558,7 +311,7 @@ class EmulatedCluster:
         )
         hub = self.hub_ns
         self._add_ns(hub)
-        _run(["ip", "-n", hub, "link", "set", "lo", "up"])
+        run_command(["ip", "-n", hub, "link", "set", "lo", "up"])
         self._ns_sh(hub, "echo 1 > /proc/sys/net/ipv4/ip_forward; "
                     "echo 0 > /proc/sys/net/ipv4/conf/all/rp_filter; "
                     "echo 0 > /proc/sys/net/ipv4/conf/default/rp_filter; " + quiet_v6)
@@ -572,15 +325,15 @@ class EmulatedCluster:
             self._add_ns(ns)
             self._write_hosts(i)
             self._ns_sh(ns, quiet_v6)
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
             hif, nif = self.hub_if[i], self.node_if[i]
-            _run(["ip", "-n", hub, "link", "add", hif, "mtu", str(self.mtu), "type", "veth",
+            run_command(["ip", "-n", hub, "link", "add", hif, "mtu", str(self.mtu), "type", "veth",
                   "peer", "name", nif, "netns", ns, "mtu", str(self.mtu)])
-            _run(["ip", "-n", hub, "addr", "add", f"{SUBNET}.{i}.1/24", "dev", hif])
-            _run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", nif])
-            _run(["ip", "-n", hub, "link", "set", hif, "up"])
-            _run(["ip", "-n", ns, "link", "set", nif, "up"])
-            _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.{i}.1"])
+            run_command(["ip", "-n", hub, "addr", "add", f"{SUBNET}.{i}.1/24", "dev", hif])
+            run_command(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", nif])
+            run_command(["ip", "-n", hub, "link", "set", hif, "up"])
+            run_command(["ip", "-n", ns, "link", "set", nif, "up"])
+            run_command(["ip", "-n", ns, "route", "add", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.{i}.1"])
         if self.link is not None:
             self._shape()
         self._wait_links_up()
@@ -593,8 +346,8 @@ class EmulatedCluster:
         if self.delay_backend == "tun":
             return "tun"
         try:
-            _run(["tc", "-n", self.hub_ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"])
-            _run(["tc", "-n", self.hub_ns, "qdisc", "del", "dev", "lo", "root"], check=False)
+            run_command(["tc", "-n", self.hub_ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"])
+            run_command(["tc", "-n", self.hub_ns, "qdisc", "del", "dev", "lo", "root"], check=False)
             return "netem"
         except ClusterError as e:
             if self.delay_backend == "netem":
@@ -610,7 +363,7 @@ class EmulatedCluster:
             self._tbf(ns, self.node_if[i], ["root"])  # what node i sends
             hif = self.hub_if[i]
             if backend == "netem":
-                _run(["tc", "-n", hub, "qdisc", "add", "dev", hif, "root", "handle", "1:", "netem",
+                run_command(["tc", "-n", hub, "qdisc", "add", "dev", hif, "root", "handle", "1:", "netem",
                       "delay", f"{int(round(self.link.latency_s * 1e6))}us", "limit", "100000"])
                 self._tbf(hub, hif, ["parent", "1:1", "handle", "10:"])  # what node i receives
             else:
@@ -624,7 +377,7 @@ class EmulatedCluster:
         pending = [(self.hub_ns, d) for d in self.hub_if] + list(zip(self.node_ns, self.node_if))
         deadline = time.monotonic() + timeout
         while pending:
-            out = _run(["ip", "-n", pending[0][0], "-o", "link", "show", "dev", pending[0][1]]).stdout
+            out = run_command(["ip", "-n", pending[0][0], "-o", "link", "show", "dev", pending[0][1]]).stdout
             if "state UP" in out and "NO-CARRIER" not in out:
                 pending.pop(0)
                 continue
@@ -635,7 +388,7 @@ class EmulatedCluster:
     def _start_delay_line(self, delay: float) -> None:
         hub, tun = self.hub_ns, self.tun_if
         self._delay_proc = subprocess.Popen(
-            ["ip", "netns", "exec", hub, sys.executable, "-c", _DELAY_LINE_SRC,
+            ["ip", "netns", "exec", hub, sys.executable, os.path.abspath(delay_line.__file__),
              tun, repr(delay), str(os.getpid()), str(self.mtu)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,  # stopped by us (or exits when we die), not by Ctrl-C
@@ -646,11 +399,11 @@ class EmulatedCluster:
             if self._delay_proc.poll() is not None:
                 err = self._delay_proc.stderr.read().decode(errors="replace")[-500:]
             raise ClusterError(f"delay line did not start ({line!r}): {err.strip()}")
-        _run(["ip", "-n", hub, "link", "set", tun, "mtu", str(self.mtu), "up"])
+        run_command(["ip", "-n", hub, "link", "set", tun, "mtu", str(self.mtu), "up"])
         self._ns_sh(hub, f"echo 0 > /proc/sys/net/ipv4/conf/{tun}/rp_filter")
-        _run(["ip", "-n", hub, "route", "add", "default", "dev", tun, "table", _RT_TABLE])
+        run_command(["ip", "-n", hub, "route", "add", "default", "dev", tun, "table", _RT_TABLE])
         for hif in self.hub_if:
-            _run(["ip", "-n", hub, "rule", "add", "iif", hif, "lookup", _RT_TABLE, "pref", "100"])
+            run_command(["ip", "-n", hub, "rule", "add", "iif", hif, "lookup", _RT_TABLE, "pref", "100"])
 
     def _stop_delay_line(self) -> None:
         p, self._delay_proc = self._delay_proc, None
@@ -682,7 +435,7 @@ class EmulatedCluster:
                 if self._created:
                     # also any namespace of this run tag that we may have lost track of
                     names = set(self._created) | {n for n in list_run_namespaces() if n.startswith(self.tag + "-")}
-                    failed = _delete_namespaces(sorted(names))
+                    failed = delete_namespaces(sorted(names))
                     self._created = failed
                     if failed:
                         print(f"commfx.cluster: could not delete namespaces {failed}; "

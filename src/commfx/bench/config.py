@@ -9,7 +9,7 @@ from typing import Any
 
 from ..plan import Plan
 from ..verify import preflight
-from .cluster import LinkSpec
+from .links import LinkSpec
 from .straggler import SlowRank
 
 # Benchmark-sized configurations of built-in models: big enough that compute and

@@ -42,8 +42,9 @@ from typing import Any
 
 from rich.markup import escape
 
-from .cluster import EmulatedCluster, LinkSpec
+from .cluster import EmulatedCluster
 from .config import BenchConfig
+from .links import LinkSpec
 from .render import calibration_table
 from .results import BenchResult, summarise
 

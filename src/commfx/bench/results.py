@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .cluster import LinkSpec
+from .links import LinkSpec
 from .config import BenchConfig
 
 TIMING_KINDS = ("wall", "compute", "comm")

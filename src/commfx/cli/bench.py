@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..bench.config import build_config
     from ..bench.harness import run_bench
     from ..bench.render import render
-    from ..bench.cluster import LinkSpec
+    from ..bench.links import LinkSpec
     from .checks import check_local_world, check_output_paths
 
     world = args.nodes * args.ranks_per_node
