@@ -22,7 +22,8 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..plan import Plan
-from ..compiler.program import Program, module_paths, stamp
+from ..compiler.program import Program, module_paths
+from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, register
 from .lift_embeddings import lift_embeddings
 from .lift_heads import lift_heads
@@ -126,13 +127,14 @@ class Lift(Pass):
         lift_routers: bool = True
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        rw = Rewriter(program, "lift")
         regions = _regions(program.graph)
         blocks, unmatched, candidates = [], [], []
         for path, (cls, nodes) in regions.items():
             module = program.module_at(path)
             pattern = next((p for p in EXPERTS_PATTERNS if p.matches(cls, module)), None)
             if pattern is not None:
-                blocks.append(_lift_experts(program, path, nodes, pattern, module))
+                blocks.append(_lift_experts(rw, path, nodes, pattern, module))
             elif looks_like_moe(cls) and _uses_3d_weight(nodes):
                 candidates.append((path, cls, nodes))
         lifted_weights = {b[key] for b in blocks for key in ("gate_up", "down")}
@@ -142,7 +144,7 @@ class Lift(Pass):
         kept_routers = []
         if options.lift_routers:
             for block in blocks:
-                if not _lift_router(program, block):
+                if not _lift_router(rw, block):
                     kept_routers.append(block["router"] or block["path"])
         if unmatched:
             warnings.warn(
@@ -154,10 +156,10 @@ class Lift(Pass):
         program.annotations["moe_blocks"] = blocks
         program.annotations["unmatched_moe"] = unmatched
         program.annotations["kept_routers"] = kept_routers
-        tables, kept_lookups = lift_embeddings(program)
+        tables, kept_lookups = lift_embeddings(program, rw)
         program.annotations["embeddings"], program.annotations["kept_embeddings"] = tables, kept_lookups
         program.annotations["lm_heads"], program.annotations["kept_heads"] = lift_heads(program, tables)
-        program.gm.recompile()
+        rw.finish()
         return bool(blocks or tables)
 
 
@@ -184,8 +186,8 @@ def _value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _lift_experts(program: Program, path: str, nodes: list[fx.Node], pattern: ExpertsPattern, module) -> dict:
-    graph = program.graph
+def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: ExpertsPattern, module) -> dict:
+    graph = rw.graph
     inside = set(nodes)
     compute = [n for n in nodes if n.op not in ("get_attr", "placeholder")]
     outputs = [n for n in compute if _value(n) is not None and any(u not in inside for u in n.users)]
@@ -201,21 +203,16 @@ def _lift_experts(program: Program, path: str, nodes: list[fx.Node], pattern: Ex
     down = _param_node(graph, f"{path}.{pattern.down}" if path else pattern.down)
     num_experts = _value(gate_up).shape[0]
     activation = pattern.activation(module, compute)
-    with graph.inserting_before(outputs[0]):
-        dispatch = stamp(
-            graph.call_function(commfx.moe_dispatch.default, (x, indices, num_experts, 0.0)), "lift", "lay tokens out by expert"
-        )
-        rows = graph.call_function(operator.getitem, (dispatch, 0))
-        counts = graph.call_function(operator.getitem, (dispatch, 1))
-        slot = graph.call_function(operator.getitem, (dispatch, 2))
-        ffn = stamp(
-            graph.call_function(commfx.expert_ffn.default, (rows, counts, gate_up, down, activation)), "lift", "experts"
-        )
-        combine = stamp(graph.call_function(commfx.moe_combine.default, (ffn, slot, weights)), "lift", "weighted combine")
-    for node in (dispatch, rows, counts, slot, ffn, combine):
-        node.meta["nn_module_stack"] = dict(outputs[0].meta.get("nn_module_stack", {}))
+    make = rw.maker(outputs[0])
+    with rw.before(outputs[0]):
+        dispatch = make(commfx.moe_dispatch.default, (x, indices, num_experts, 0.0), "lay tokens out by expert")
+        rows = make(operator.getitem, (dispatch, 0))
+        counts = make(operator.getitem, (dispatch, 1))
+        slot = make(operator.getitem, (dispatch, 2))
+        ffn = make(commfx.expert_ffn.default, (rows, counts, gate_up, down, activation), "experts")
+        combine = make(commfx.moe_combine.default, (ffn, slot, weights), "weighted combine")
     outputs[0].replace_all_uses_with(combine)
-    erase_replaced(graph, compute)
+    rw.erase_dead(compute)
     router = _router_path(indices)
     return {
         "path": path,
@@ -258,9 +255,9 @@ def _router_path(indices: fx.Node) -> str | None:
     return paths[-1][0] if paths else None
 
 
-def _lift_router(program: Program, block: dict) -> bool:
+def _lift_router(rw: Rewriter, block: dict) -> bool:
     """Replace a softmax top-k router region with commfx.topk_router; False if it is another kind."""
-    graph = program.graph
+    graph = rw.graph
     path = block["router"]
     if path is None:
         return False
@@ -289,47 +286,25 @@ def _lift_router(program: Program, block: dict) -> bool:
     divides = {"truediv", "itruediv", "div"}
     normalize = any(getattr(n.target, "__name__", str(n.target)) in divides for n in _ancestors_within(weights[0], set(nodes)))
     score_dtype = _value(softmax).dtype
-    with graph.inserting_before(weights[0] if weights[0].prev is not None else indices[0]):
-        router = stamp(
-            graph.call_function(commfx.topk_router.default, (logits, k, normalize, score_dtype)), "lift", "softmax top-k router"
-        )
-        new_weights = graph.call_function(operator.getitem, (router, 0))
-        new_indices = graph.call_function(operator.getitem, (router, 1))
-    for node in (router, new_weights, new_indices):
-        node.meta["nn_module_stack"] = dict(topk.meta.get("nn_module_stack", {}))
+    make = rw.maker(topk)
+    with rw.before(weights[0] if weights[0].prev is not None else indices[0]):
+        router = make(commfx.topk_router.default, (logits, k, normalize, score_dtype), "softmax top-k router")
+        new_weights = make(operator.getitem, (router, 0))
+        new_indices = make(operator.getitem, (router, 1))
     new_weights.meta["example_value"] = _value(weights[0])
     new_indices.meta["example_value"] = _value(indices[0])
     _move_after_inputs(graph, [router, new_weights, new_indices], logits)
     out_dtype = _value(weights[0]).dtype
     if out_dtype != score_dtype:
-        with graph.inserting_after(new_weights):
-            cast = graph.call_method("to", (new_weights, out_dtype))
+        with rw.after(new_weights):
+            cast = rw.method("to", (new_weights, out_dtype))
         cast.meta["example_value"] = _value(weights[0])
         weights[0].replace_all_uses_with(cast)
     else:
         weights[0].replace_all_uses_with(new_weights)
     indices[0].replace_all_uses_with(new_indices)
-    erase_replaced(graph, [n for n in nodes if n not in logits_side])
+    rw.erase_dead([n for n in nodes if n not in logits_side])
     return True
-
-
-def erase_replaced(graph: fx.Graph, region: list[fx.Node]) -> None:
-    """Erase a replaced region's nodes that nothing uses any more.
-
-    Confined to the region on purpose: the graph's generic dead-code elimination treats
-    an in-place method whose result is unused (`mask.scatter_(...)`) as dead, which would
-    silently change code lift leaves verbatim (group-limited routers do exactly this).
-    Inside a replaced region the whole effect is already spelled by the new ops.
-    """
-    alive = [n for n in region if n.op in ("call_function", "call_method")]
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(alive):
-            if not node.users:
-                graph.erase_node(node)
-                alive.remove(node)
-                changed = True
 
 
 def _strip_casts(node):

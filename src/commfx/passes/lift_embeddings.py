@@ -20,7 +20,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
-from ..compiler.program import Program, module_path, stamp
+from ..compiler.program import Program, module_path
+from ..compiler.rewrite import Pattern, Rewriter
 
 commfx = torch.ops.commfx
 
@@ -35,37 +36,36 @@ EMBEDDING_CALLS = {
 }
 
 
-def lift_embeddings(program: Program) -> tuple[list[dict], list[str]]:
+def lift_embeddings(program: Program, rw: Rewriter) -> tuple[list[dict], list[str]]:
     """Rewrite every plain lookup to commfx.embedding; returns (tables, lookups kept verbatim and why)."""
-    graph = program.graph
     tables: dict[str, dict] = {}
     kept: list[str] = []
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in EMBEDDING_CALLS:
-            continue
+
+    def table_lookup(rw: Rewriter, node: fx.Node) -> fx.Node | None:
         bound = EMBEDDING_CALLS[node.target].bind(*node.args, **node.kwargs).arguments
         weight, ids = bound["weight"], bound["input"]
         value = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
         if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and isinstance(value, torch.Tensor) and value.dim() == 2):
             kept.append(f"{node.name}: its table is not a 2-D parameter")
-            continue
+            return None
         special = [k for k in ("max_norm", "scale_grad_by_freq", "sparse") if bound.get(k) not in (None, False)]
         if special:
             kept.append(f"{weight.target}: looked up with {', '.join(special)}, which lift keeps as torch does it")
-            continue
+            return None
         padding = _padding_row(node.target, bound.get("padding_idx"), value.shape[0])
-        with graph.inserting_before(node):
-            lookup = graph.call_function(commfx.embedding.default, (weight, ids, padding))
-        lookup.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "example_value", "stack_trace")})
-        stamp(lookup, "lift", f"embedding lookup of {weight.target} [{value.shape[0]} x {value.shape[1]}]")
-        node.replace_all_uses_with(lookup)
-        graph.erase_node(node)
+        lookup = rw.call(
+            commfx.embedding.default, (weight, ids, padding), like=node, keep=("example_value", "stack_trace"),
+            purpose=f"embedding lookup of {weight.target} [{value.shape[0]} x {value.shape[1]}]",
+        )
         table = tables.setdefault(
             weight.target,
             {"weight": weight.target, "path": module_path(lookup) or "", "num_rows": value.shape[0], "dim": value.shape[1],
              "padding_idx": padding, "lookups": [], "tied_with": [], "trainable": value.requires_grad},
         )
         table["lookups"].append(lookup.name)
+        return lookup
+
+    rw.rewrite([(Pattern(EMBEDDING_CALLS), table_lookup)])
     for table in tables.values():
         table["tied_with"] = _other_uses(program, table["weight"])
         table["tied"] = bool(table["tied_with"])
