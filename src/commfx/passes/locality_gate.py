@@ -33,7 +33,8 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
-from ..compiler.program import Program, stamp
+from ..compiler.program import Program
+from ..compiler.rewrite import Pattern, Rewriter
 from ..ops import locality
 from ..plan import Plan, PlanError, Topology
 from .base import Pass, PassError, register
@@ -122,33 +123,38 @@ class LocalityGate(Pass):
                 )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        graph = program.graph
-        nodes = {n.name: n for n in graph.nodes}
+        rw = Rewriter(program, PASS)
         changed = False
         for block in program.annotations.get("moe_blocks", []):
-            dispatch = nodes[block["dispatch"]]
+            dispatch = program.node(block["dispatch"])
             router, picks = _lifted_router(dispatch.args[1])
             if router is None:
                 raise PassError(
                     f"locality_gate: the router of {block['path']} was not lifted to commfx.topk_router "
                     "(lift keeps group-limited, sigmoid and biased routers verbatim); drop locality_gate for this model"
                 )
-            _substitute(graph, router, picks, dispatch, block, options, plan)
+            _substitute(rw, router, picks, dispatch, block, options, plan)
             changed = True
         program.annotations["locality_gate"] = dataclasses.asdict(options)
-        program.gm.recompile()
+        rw.finish()
         return changed
+
+
+# The expert choices lift's topk_router makes: getitem(topk_router(...), i).
+LIFTED_PICK = Pattern(operator.getitem, args=(Pattern(commfx.topk_router.default, name="router"),))
 
 
 def _lifted_router(indices: fx.Node):
     """(topk_router node, {0: weights getitem, 1: indices getitem}) feeding a dispatch, or (None, None)."""
-    if indices.target is not operator.getitem or indices.args[0].target is not commfx.topk_router.default:
+    found = LIFTED_PICK.match(indices)
+    if found is None:
         return None, None
-    router = indices.args[0]
+    router = found["router"]
     return router, {u.args[1]: u for u in router.users if u.target is operator.getitem}
 
 
-def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, dispatch: fx.Node, block: dict, options, plan: Plan) -> None:
+def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, block: dict, options, plan: Plan) -> None:
+    graph = rw.graph
     logits, k, normalize, score_dtype = router.args
     x = dispatch.args[0]
     num_experts = block["num_experts"]
@@ -167,14 +173,7 @@ def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, dispatch: fx.Node
             f"{'max_nodes=' + str(max_nodes) if max_nodes * per_node < k_used else 'tokens kept home'} cannot hold them. "
             "Raise max_nodes (or max_remote_fraction=1), or use fewer ranks per node"
         )
-    stack = dict(router.meta.get("nn_module_stack", {}))
-    made = []
-
-    def make(target, args, purpose=None, op="call_function"):
-        node = graph.call_function(target, args) if op == "call_function" else graph.call_method(target, args)
-        node.meta["nn_module_stack"] = stack
-        made.append(node)
-        return stamp(node, PASS, purpose) if purpose else node
+    make = rw.maker(router)
 
     if options.gate == "grap" and _position(graph, x) > _position(graph, router):
         raise PassError(f"locality_gate: {block['path']}'s hidden states are computed after its router; GrAP cannot use them")
@@ -189,7 +188,7 @@ def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, dispatch: fx.Node
                 "weights, but its logits do not come from a linear layer of a parameter; use gate=grap, "
                 "or dropless expert parallelism (capacity_factor=0)"
             )
-    with graph.inserting_before(router.next):  # in order (inserting_after would reverse them)
+    with rw.before(router.next):  # in order (inserting_after would reverse them)
         raw = make(locality.grap_scores, (x, num_experts), "GrAP gate: relu(mean of d/E groups)") if options.gate == "grap" else logits
         probs = make(router_probs, (raw, score_dtype), "router probabilities")
         if options.gate == "hash":
@@ -225,7 +224,7 @@ def _substitute(graph: fx.Graph, router: fx.Node, picks: dict, dispatch: fx.Node
     old_indices.replace_all_uses_with(indices)
     for node in (old_weights, old_indices, router):
         if node is not None and not node.users:
-            graph.erase_node(node)
+            rw.erase(node)
     block["top_k"] = k_used
     block["gate"] = options.gate
 

@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..compiler.program import Program, stamp
+from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
 from .embedding_cost import STRATEGIES, Estimate, choose, estimate, estimate_head, shard_problem
@@ -118,7 +119,7 @@ class SplitEmbeddingComm(Pass):
         tokens = program.annotations.get("tokens_per_rank")
         if tokens is None:
             raise PassError("split_embedding_comm needs the tokens per rank (compile through commfx.compile_program)")
-        nodes = {n.name: n for n in program.graph.nodes}
+        rw = Rewriter(program, PASS)
         chosen = _selected({t["weight"]: t for t in tables} | {t["path"]: t for t in tables}, options)
         decisions = program.annotations.setdefault("embedding_comm", {})
         parts = plan.topology.expert_parallel_size
@@ -134,11 +135,11 @@ class SplitEmbeddingComm(Pass):
             decisions[table["weight"]] = {"strategy": pick, "reason": reason, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
             purpose = f"{table['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
             for name in table["lookups"]:
-                lookup = nodes[name]
+                lookup = program.node(name)
                 if pick == "sparse":
                     _replicated_sparse(program, lookup, plan, purpose)
                 elif pick == "shard":
-                    _row_sharded(program, lookup, table, parts, purpose)
+                    _row_sharded(rw, lookup, table, parts, purpose)
                 else:
                     stamp(lookup, PASS, purpose)
             if pick == "sparse":
@@ -148,11 +149,11 @@ class SplitEmbeddingComm(Pass):
                     "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
                 }
             changed = changed or pick != "dense"
-        changed = self._split_heads(program, options, plan, tokens, decisions) or changed
-        program.gm.recompile()
+        changed = self._split_heads(rw, program, options, plan, tokens, decisions) or changed
+        rw.finish()
         return changed
 
-    def _split_heads(self, program: Program, options: Options, plan: Plan, tokens: int, decisions: dict) -> bool:
+    def _split_heads(self, rw: Rewriter, program: Program, options: Options, plan: Plan, tokens: int, decisions: dict) -> bool:
         heads = program.annotations.get("lm_heads") or []
         if options.head == "shard" and not heads:
             kept = program.annotations.get("kept_heads") or ["no cross_entropy over a linear in the graph"]
@@ -164,7 +165,6 @@ class SplitEmbeddingComm(Pass):
         notes = program.annotations.setdefault("notes", [])
         notes.extend(f"{PASS}: a cross_entropy's LM head stays dense: {why}" for why in program.annotations.get("kept_heads") or [])
         parts = plan.topology.expert_parallel_size
-        nodes = {n.name: n for n in program.graph.nodes}
         changed = False
         for head in heads:
             weight = program.gm.get_parameter(head["weight"])
@@ -178,9 +178,9 @@ class SplitEmbeddingComm(Pass):
             decisions[head["weight"]] = {"strategy": pick, "reason": reason, "head": True, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
             purpose = f"LM head {head['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
             if pick != "shard":
-                stamp(nodes[head["linear"]], PASS, purpose)
+                stamp(program.node(head["linear"]), PASS, purpose)
                 continue
-            _vocab_parallel_head(program, head, nodes, parts, purpose)
+            _vocab_parallel_head(rw, program, head, parts, purpose)
             program.annotations.setdefault("shards", {})[head["weight"]] = {
                 "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
             }
@@ -207,19 +207,13 @@ def _replicated_sparse(program: Program, lookup: fx.Node, plan: Plan, purpose: s
     stamp(lookup, PASS, purpose)
 
 
-def _row_sharded(program: Program, lookup: fx.Node, table: dict, parts: int, purpose: str) -> None:
+def _row_sharded(rw: Rewriter, lookup: fx.Node, table: dict, parts: int, purpose: str) -> None:
     """weight[ids] -> route, ids to owners, owners' lookup, rows back, rows by token."""
-    graph = program.graph
     weight, ids, padding = lookup.args
     rows_per_part = table["num_rows"] // parts
-
-    def make(target, args, why=""):
-        node = graph.call_function(target, args)
-        node.meta["nn_module_stack"] = dict(lookup.meta.get("nn_module_stack", {}))
-        return stamp(node, PASS, why) if why else node
-
+    make = rw.maker(lookup)
     tag = table["weight"]
-    with graph.inserting_before(lookup):
+    with rw.before(lookup):
         route = make(commfx.embedding_route.default, (ids, table["num_rows"], parts), "unique ids, grouped by owner")
         unique = make(operator.getitem, (route, 0))
         inverse = make(operator.getitem, (route, 1))
@@ -236,35 +230,30 @@ def _row_sharded(program: Program, lookup: fx.Node, table: dict, parts: int, pur
         if padding >= 0:
             out = make(commfx.mask_padding_grad.default, (out, ids, padding), "no gradient for the padding row")
     stamp(route, PASS, purpose)
-    lookup.replace_all_uses_with(out)
-    graph.erase_node(lookup)
+    rw.replace(lookup, out)
 
 
-def _vocab_parallel_head(program: Program, head: dict, nodes: dict[str, fx.Node], parts: int, purpose: str) -> None:
+def _vocab_parallel_head(rw: Rewriter, program: Program, head: dict, parts: int, purpose: str) -> None:
     """linear + shape ops + cross_entropy -> one commfx.vocab_parallel_loss over this rank's rows."""
-    graph = program.graph
-    loss, linear = nodes[head["loss"]], nodes[head["linear"]]
+    loss, linear = program.node(head["loss"]), program.node(head["linear"])
     hidden, weight = linear.args[0], linear.args[1]
     labels = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
-    with graph.inserting_before(loss):
-        rows = graph.call_method("reshape", (hidden, -1, head["dim"]))
-        targets = graph.call_method("reshape", (labels, -1))
-        split = graph.call_function(
+    with rw.before(loss):
+        rows = rw.method("reshape", (hidden, -1, head["dim"]), like=linear)
+        targets = rw.method("reshape", (labels, -1), like=linear)
+        split = rw.call(
             commfx.vocab_parallel_loss.default,
             (rows, weight, targets, head["ignore_index"], head["reduction"], SHARD_GROUP, parts, EMBED_PRIORITY),
+            purpose=purpose, like=linear,
         )
-        value = graph.call_function(operator.getitem, (split, 0))
-    for node in (rows, targets, split, value):
-        node.meta["nn_module_stack"] = dict(linear.meta.get("nn_module_stack", {}))
-    stamp(split, PASS, purpose)
+        value = rw.call(operator.getitem, (split, 0), like=linear)
     loss.replace_all_uses_with(value)
     dead = [loss]
     node = loss.args[0]
     while node is not linear:
         dead.append(node)
         node = node.args[0]
-    for node in (*dead, linear):
-        graph.erase_node(node)
+    rw.erase(*dead, linear)
 
 
 def model_tables(model: nn.Module) -> dict[str, dict]:
