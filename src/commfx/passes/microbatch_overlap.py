@@ -34,7 +34,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..compiler.program import Program, stamp
+from ..compiler.program import Program
+from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, register_priority_class
 from .base import Pass, PassError, register, written
 
@@ -105,8 +106,9 @@ class MicrobatchOverlap(Pass):
         depends = _batch_dependent(graph, batched, symbol)
         _check_separable(graph, depends, symbol)
         phase = _phases(graph)
-        program.gm.graph = _interleave(graph, batched, depends, phase, options.n)
-        program.gm.recompile()
+        rw = Rewriter(program, PASS, graph=fx.Graph())  # the interleaved copy, installed by finish
+        _interleave(rw, graph, batched, depends, phase, options.n)
+        rw.finish()
         program.annotations.setdefault("notes", []).append(
             f"{PASS}: {options.n} micro-batches per rank, interleaved by all-to-all phase "
             f"({max(phase.values(), default=0) + 1} phases); count exchanges on the {CONTROL_CLASS!r} lane"
@@ -213,22 +215,22 @@ def _phases(graph: fx.Graph) -> dict[fx.Node, int]:
     return phase
 
 
-def _interleave(graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], phase: dict[fx.Node, int], n: int) -> fx.Graph:
+def _interleave(rw: Rewriter, graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], phase: dict[fx.Node, int], n: int) -> fx.Graph:
     body = [node for node in graph.nodes if node.op not in ("placeholder", "output")]
     position = {node: i for i, node in enumerate(graph.nodes)}
     # shared nodes of a phase first, then each micro-batch's nodes of that phase, in graph order
     order = sorted(body, key=lambda node: (phase[node], node in depends, position[node]))
 
-    new = fx.Graph()
+    new = rw.graph
     shared: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op == "placeholder":
             shared[node] = new.node_copy(node)
     micro: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n)]
     for node in batched:
-        split = stamp(new.call_function(torch.tensor_split, (shared[node], n)), PASS, f"cut {node.name} into {n} micro-batches")
+        split = rw.call(torch.tensor_split, (shared[node], n), purpose=f"cut {node.name} into {n} micro-batches")
         for i in range(n):
-            micro[i][node] = stamp(new.call_function(operator.getitem, (split, i)), PASS, f"micro-batch {i + 1}/{n}")
+            micro[i][node] = rw.call(operator.getitem, (split, i), purpose=f"micro-batch {i + 1}/{n}")
 
     for _, nodes in itertools.groupby(order, key=phase.__getitem__):
         in_phase = list(nodes)
@@ -239,13 +241,13 @@ def _interleave(graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], 
             env = micro[i]
             for node in in_phase:
                 if node in depends:
-                    env[node] = _copy(new, node, lambda x, env=env: env.get(x, shared.get(x)), i, n)
+                    env[node] = _copy(rw, node, lambda x, env=env: env.get(x, shared.get(x)), i, n)
 
     output = next(node for node in graph.nodes if node.op == "output")
 
     def joined(leaf):
         if isinstance(leaf, fx.Node) and leaf in depends:
-            return stamp(new.call_function(torch.cat, ([micro[i][leaf] for i in range(n)], 0)), PASS, "micro-batches' outputs, joined on the batch")
+            return rw.call(torch.cat, ([micro[i][leaf] for i in range(n)], 0), purpose="micro-batches' outputs, joined on the batch")
         return shared[leaf] if isinstance(leaf, fx.Node) else leaf
 
     new.output(pytree.tree_map(joined, output.args[0]))
@@ -253,7 +255,7 @@ def _interleave(graph: fx.Graph, batched: list[fx.Node], depends: set[fx.Node], 
     return new
 
 
-def _copy(new: fx.Graph, node: fx.Node, lookup, i: int, n: int) -> fx.Node:
+def _copy(rw: Rewriter, node: fx.Node, lookup, i: int, n: int) -> fx.Node:
     """Micro-batch i's copy of `node`. Micro-batch 0 keeps the name (annotations name nodes);
     a copy's shapes are a micro-batch's, so the whole batch's shape meta stays behind."""
     args, kwargs = fx.map_arg(node.args, lookup), fx.map_arg(node.kwargs, lookup)
@@ -264,6 +266,4 @@ def _copy(new: fx.Graph, node: fx.Node, lookup, i: int, n: int) -> fx.Node:
         args = (x, send, recv, group, priority, f"{tag} mb {i + 1}/{n}".strip())
     elif node.op == "call_function" and node.target is commfx.exchange_counts.default:
         args = (*args[:3], CONTROL_CLASS)
-    copy = new.create_node(node.op, node.target, args, kwargs, f"{node.name}_mb{i}" if i else node.name, node.type)
-    copy.meta = {k: v for k, v in node.meta.items() if k not in ("val", "example_value", "tensor_meta")}
-    return copy
+    return rw.copy(node, args, kwargs, name=f"{node.name}_mb{i}" if i else node.name, drop_meta=("val", "example_value", "tensor_meta"))

@@ -28,7 +28,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ..compiler.program import Program, module_paths, stamp
+from ..compiler.program import Program, module_paths
+from ..compiler.rewrite import Rewriter
 from ..compiler.stages import INPUT_PREFIX, Boundary, BoundaryTensor, Pipeline, Stage
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
@@ -446,6 +447,7 @@ def parent_module(program: Program, pipeline: Pipeline) -> fx.GraphModule:
     `commfx dump` shows and what a single-process run of the split program computes)."""
     root = torch.nn.Module()
     graph = fx.Graph()
+    rw = Rewriter(graph, PASS)
     env: dict[str, fx.Node] = {}
     for node in program.graph.nodes:
         if node.op == "placeholder":
@@ -455,14 +457,13 @@ def parent_module(program: Program, pipeline: Pipeline) -> fx.GraphModule:
     for stage in pipeline.stages:
         name = f"stage_{stage.index}"
         root.add_module(name, stage.gm)
-        call = stamp(graph.call_module(name, tuple(env[i] for i in stage.inputs)), PASS, f"pipeline stage {stage.index}")
+        call = rw.call(name, tuple(env[i] for i in stage.inputs), op="call_module", purpose=f"pipeline stage {stage.index}")
         for i, out in enumerate(stage.outputs):
-            env[out] = graph.call_function(operator.getitem, (call, i))
+            env[out] = rw.call(operator.getitem, (call, i))
     output_node = next(n for n in program.graph.nodes if n.op == "output")
-    by_name = {n.name: n for n in program.graph.nodes}
 
     def resolve(node: fx.Node) -> fx.Node:
-        return env[_input_name(program, node)] if node.op == "placeholder" else env[by_name[node.name].name]
+        return env[_input_name(program, node)] if node.op == "placeholder" else env[program.node(node.name).name]
 
     graph.output(fx.node.map_arg(output_node.args[0], resolve))
     return fx.GraphModule(root, graph, class_name="PipelineModel")

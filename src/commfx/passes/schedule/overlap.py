@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ... import ops  # noqa: F401  (registers torch.ops.commfx)
+from ...compiler.rewrite import Rewriter
 from ..base import verify_waits
 
 commfx = torch.ops.commfx
@@ -22,10 +23,11 @@ commfx = torch.ops.commfx
 def overlap_collectives(gm: fx.GraphModule) -> int:
     """Split and reschedule the all-to-alls of `gm` in place; returns how many were split."""
     graph = gm.graph
+    rw = Rewriter(graph, "overlap_collectives")
     starts: list[fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is commfx.all_to_all.default:
-            starts.append(_split(graph, node))
+            starts.append(_split(rw, node))
     if not starts:
         return 0
     _hoist_starts(graph, starts)
@@ -37,18 +39,15 @@ def overlap_collectives(gm: fx.GraphModule) -> int:
     return len(starts)
 
 
-def _split(graph: fx.Graph, node: fx.Node) -> fx.Node:
+def _split(rw: Rewriter, node: fx.Node) -> fx.Node:
     x, send_counts, recv_counts, group, *rest = node.args
     priority = rest[0] if len(rest) > 0 else node.kwargs.get("priority", "a2a")
     tag = rest[1] if len(rest) > 1 else node.kwargs.get("tag", "")
-    with graph.inserting_before(node):
-        start = graph.call_function(commfx.all_to_all_start.default, (x, send_counts, recv_counts, group, priority, tag))
-        wait = graph.call_function(commfx.wait_tensor.default, (start,))
-    for key in ("val", "stack_trace", "nn_module_stack", "seq_nr"):
-        if key in node.meta:
-            start.meta[key] = wait.meta[key] = node.meta[key]
-    node.replace_all_uses_with(wait)
-    graph.erase_node(node)
+    keep = ("val", "stack_trace", "seq_nr")
+    with rw.before(node):
+        start = rw.call(commfx.all_to_all_start.default, (x, send_counts, recv_counts, group, priority, tag), like=node, keep=keep)
+        wait = rw.call(commfx.wait_tensor.default, (start,), like=node, keep=keep)
+    rw.replace(node, wait)
     return start
 
 
