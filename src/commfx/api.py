@@ -44,10 +44,6 @@ def distribute(
     """
     if replicas not in REPLICA_MODES:
         raise PlanError(f"replicas={replicas!r} is not one of {', '.join(REPLICA_MODES)}")
-    try:
-        check_plan(plan, model)
-    except PlanError as error:
-        raise said_once_per_node(error) from None
     if not dist.is_initialized():
         raise PlanError(
             "commfx.distribute needs torch.distributed initialised on every rank "
@@ -59,6 +55,10 @@ def distribute(
             f"the plan is for world size {plan.topology.world_size} but the process group has {world} ranks; "
             f"make them agree (--world-size {world})"
         )
+    try:
+        check_plan(plan, model)
+    except PlanError as error:
+        raise said_once_per_node(error) from None
     rank = dist.get_rank()
     groups = build_groups(plan.topology, rank, timeout_s=plan.collective_timeout_s)
     scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
