@@ -73,6 +73,8 @@ def cmd_dump(args) -> int:
     stop = "lift" if args.stage == "lifted" else None
     if args.stage == "lifted" and "lift" not in plan.pass_names():
         raise PlanError("--stage lifted needs lift in --passes")
+    if args.diff is not None:
+        return _dump_diff(args, plan, model, inputs)
     program = compile_program(model, plan, inputs, stop_after=stop)
     if args.stage in ("forward", "backward"):
         from ..compiler.lower import lower
@@ -92,6 +94,28 @@ def cmd_dump(args) -> int:
         with open(args.output, "w") as f:
             f.write(text)
         console.print(f"wrote {args.stage} graph ({len(gm.graph.nodes)} nodes) to {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _dump_diff(args, plan: Plan, model, inputs) -> int:
+    """`dump --diff PASS`: the program rendered right before PASS and right after, as a
+    unified diff. After pipeline_split the after-render is the stages (as `dump` shows them)."""
+    from ..compiler.pipeline import compile_program
+    from ..compiler.render import PassSnapshots
+
+    if args.diff not in plan.pass_names():
+        raise PlanError(f"--diff {args.diff}: not a pass of this plan; its passes are: {', '.join(plan.pass_names())}")
+    if args.stage != "distributed":
+        raise PlanError(f"--diff shows the program around one pass; it does not combine with --stage {args.stage}")
+    snapshots = PassSnapshots(args.diff, args.format)
+    compile_program(model, plan, inputs, stop_after=args.diff, observe=snapshots)
+    text = snapshots.diff() or f"# {args.diff} changed nothing in the rendered graph\n"
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        console.print(f"wrote the diff around {args.diff} to {args.output}")
     else:
         sys.stdout.write(text)
     return 0
@@ -197,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--stage", choices=STAGES, default="distributed")
     dump.add_argument("--format", choices=("code", "tabular", "dot"), default="code")
     dump.add_argument("-o", "--output", help="write to this file instead of stdout")
+    dump.add_argument("--diff", metavar="PASS", help="show what one pass of the plan changed: the graph before and after it, as a unified diff")
     dump.set_defaults(func=cmd_dump)
 
     verify = sub.add_parser("verify", help="check the rewrite against a single-process float64 reference")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..passes.base import check_plan, run_passes
+from ..passes.base import PassObserver, check_plan, run_passes
 from ..plan import Plan
 from .capture import capture
 from .program import Program
@@ -22,6 +22,7 @@ def compile_program(
     *,
     stop_after: str | None = None,
     tokens_per_rank: int | None = None,
+    observe: PassObserver | None = None,
 ) -> Program:
     """Validate the plan, capture the model and run the plan's passes (single process).
 
@@ -30,9 +31,11 @@ def compile_program(
 
     `tokens_per_rank` overrides what cost models assume (default: the example's tokens);
     `distribute` passes the world's largest so every rank makes the same choices.
+
+    `observe`: see `run_passes` (called before and after each pass).
     """
     check_plan(plan, model)
     program = capture(model, example_inputs, example_kwargs)
     if tokens_per_rank is not None:
         program.annotations["tokens_per_rank"] = tokens_per_rank
-    return run_passes(program, plan, stop_after=stop_after)
+    return run_passes(program, plan, stop_after=stop_after, observe=observe)

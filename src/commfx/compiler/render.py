@@ -29,6 +29,38 @@ def render_pipeline(pipeline, fmt: str = "code") -> str:
     return _normalise_symbols("".join(parts))
 
 
+def render_program(program, fmt: str = "code") -> str:
+    """A program as `commfx dump` shows it: its graph, or its stages once pipeline_split ran."""
+    pipeline = program.annotations.get("pipeline")
+    return render_pipeline(pipeline, fmt) if pipeline is not None else render(program.gm, fmt)
+
+
+class PassSnapshots:
+    """An observer for `run_passes`: renders the program right before and right after one
+    pass (text only; no graph is copied), for `commfx dump --diff PASS`."""
+
+    def __init__(self, pass_name: str, fmt: str = "code"):
+        self.pass_name, self.fmt = pass_name, fmt
+        self.before: str | None = None
+        self.after: str | None = None
+
+    def __call__(self, when: str, pass_name: str, program) -> None:
+        if pass_name == self.pass_name:
+            setattr(self, when, render_program(program, self.fmt))
+
+    def diff(self) -> str:
+        """The unified diff of the two renders ('' when the pass changed nothing shown)."""
+        import difflib
+
+        lines = difflib.unified_diff(
+            (self.before or "").splitlines(keepends=True),
+            (self.after or "").splitlines(keepends=True),
+            fromfile=f"before {self.pass_name}",
+            tofile=f"after {self.pass_name}",
+        )
+        return "".join(lines)
+
+
 def _render_raw(gm: fx.GraphModule, fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")

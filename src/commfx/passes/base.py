@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.fx as fx
@@ -236,12 +236,27 @@ def _coerce(pass_name: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
-def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None, where_applicable: bool = False) -> Program:
+# Called as observe("before" | "after", pass name, program) around each pass that runs.
+PassObserver = Callable[[str, str, Program], None]
+
+
+def run_passes(
+    program: Program,
+    plan: Plan,
+    *,
+    stop_after: str | None = None,
+    where_applicable: bool = False,
+    observe: PassObserver | None = None,
+) -> Program:
     """Run the plan's passes in order, verifying the graph after each one.
 
     `where_applicable`: skip a pass whose `applies(program)` is false (the compile backend,
     which sees graph fragments), recording it in the history; otherwise every pass runs and
     says itself what is missing.
+
+    `observe`: called right before a pass runs and right after it (once verified), e.g. to
+    snapshot the rendered program around one pass (`commfx dump --diff PASS`). It sees the
+    live program and must not change it; nothing is copied for it.
     """
     for spec in plan.passes:
         pass_cls = get_pass(spec.name)
@@ -252,11 +267,15 @@ def run_passes(program: Program, plan: Plan, *, stop_after: str | None = None, w
         if missing:
             raise PassError(f"pass {spec.name!r} requires {', '.join(missing)}; run the pass that establishes it first")
         options = plan_options(plan, spec.name)
+        if observe is not None:
+            observe("before", spec.name, program)
         changed = pass_cls().run(program, options, plan)
         program.facts.update(pass_cls.ensures)
         program.history.append(f"{spec.name}: {'changed' if changed else 'no change'}")
         program.annotations.setdefault("rewrites", {})[spec.name] = pass_cls.evidence(program, options)
         verify_graph(program, plan)
+        if observe is not None:
+            observe("after", spec.name, program)
         if stop_after == spec.name:
             break
     return program
