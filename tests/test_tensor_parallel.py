@@ -75,6 +75,31 @@ def test_hf_llama_attention_and_mlp_are_split_and_norms_stay_whole():
     assert _count(program.graph, commfx.tp_copy.default) == 4
 
 
+def test_hf_llama_plan_names_every_linear_with_its_style_and_dump_prints_it():
+    """The inferred plan, torchtitan style: each split linear's module path -> colwise / rowwise."""
+    program = _program("hf:llama")
+    plan = program.annotations["tp_plan"]
+    expected = {}
+    for layer in (0, 1):
+        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        expected.update({f"{attn}.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")})
+        expected[f"{attn}.o_proj"] = "rowwise"
+        expected.update({f"{mlp}.{name}": "colwise" for name in ("gate_proj", "up_proj")})
+        expected[f"{mlp}.down_proj"] = "rowwise"
+    assert plan.styles == expected
+    assert plan.tp == 2 and [b.path for b in plan.blocks] == [
+        "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.1.self_attn", "model.layers.1.mlp"]
+    # `commfx dump` prints the pass's note, then its plan one block a line
+    notes = [n for n in program.annotations["notes"] if n.startswith("tensor_parallel")]
+    assert notes[0] == "tensor_parallel splits 4 block(s) over tp=2, plan below"
+    assert notes[1:] == [
+        "tensor_parallel plan: model.layers.0.self_attn: q_proj,k_proj,v_proj colwise; o_proj rowwise (4 heads)",
+        "tensor_parallel plan: model.layers.0.mlp: gate_proj,up_proj colwise; down_proj rowwise (32 columns)",
+        "tensor_parallel plan: model.layers.1.self_attn: q_proj,k_proj,v_proj colwise; o_proj rowwise (4 heads)",
+        "tensor_parallel plan: model.layers.1.mlp: gate_proj,up_proj colwise; down_proj rowwise (32 columns)",
+    ]
+
+
 def test_replicated_weights_inside_a_block_get_their_gradient_summed():
     # Qwen3 normalises each head with a weight shared by all heads: every rank sees only its
     # heads, so the weight enters through tp_copy and its gradient is all-reduced over tp.

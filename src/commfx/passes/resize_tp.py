@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from ..compiler.program import Program, stamp
+from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
 from .tensor_parallel import GROUP
@@ -90,6 +91,7 @@ class ResizeTP(Pass):
         if not blocks:
             raise PassError("resize_tp found no tensor-parallel block; run tensor_parallel first")
         nodes = {n.name: n for n in program.graph.nodes}
+        rw = Rewriter(program, PASS)
         linears = {}
         for block in blocks:
             for name, kind in [*((c, "column") for c in block["columns"]), (block["row"], "row")]:
@@ -106,12 +108,12 @@ class ResizeTP(Pass):
         migrate = options.migrate
         if migrate == "auto":
             migrate = "units" if plan.topology.dp == 1 and plan.topology.pp == 1 else "columns"
-        units = _insert_units(program, blocks, nodes) if migrate == "units" else {}
+        units = _insert_units(rw, program, blocks, nodes) if migrate == "units" else {}
         program.annotations["tp_resize"] = {
             "linears": linears, "options": {**dataclasses.asdict(options), "migrate": migrate}, "units": units,
         }
         program.annotations.setdefault("notes", []).append(_note(options, migrate, len(linears), units))
-        program.gm.recompile()
+        rw.finish()
         return True
 
 
@@ -127,7 +129,7 @@ def _note(options: ResizeTP.Options, migrate: str, linears: int, units: dict) ->
             f"and gives at most max_migrate={options.max_migrate:g}")
 
 
-def _insert_units(program: Program, blocks: list[dict], nodes: dict) -> dict:
+def _insert_units(rw: Rewriter, program: Program, blocks: list[dict], nodes: dict) -> dict:
     """Route each block's row-parallel partial product through `commfx.tp_units` (before the
     all-reduce), fed with the outside inputs of the block's unit function."""
     functions = program.annotations.get("tp_units") or {}
@@ -143,10 +145,9 @@ def _insert_units(program: Program, blocks: list[dict], nodes: dict) -> dict:
         tensors = [e for e, k in zip(externals, kinds) if k == "t"]
         sizes = [e for e, k in zip(externals, kinds) if k == "s"]
         users = list(row.users)
-        with program.graph.inserting_after(row):
-            out = program.graph.call_function(commfx.tp_units.default, (row, tensors, sizes, key, GROUP))
-        out.meta.update({k: v for k, v in row.meta.items() if k in ("example_value", "val", "nn_module_stack")})
-        stamp(out, PASS, "adds the partial products of units this rank computes for a slower one")
+        with rw.after(row):
+            out = rw.call(commfx.tp_units.default, (row, tensors, sizes, key, GROUP), like=row, keep=("example_value", "val"),
+                          purpose="adds the partial products of units this rank computes for a slower one")
         for user in users:
             user.replace_input_with(row, out)
         # the unit function takes each column's weight then its bias, then the row weight

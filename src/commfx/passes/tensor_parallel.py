@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..compiler.program import Program, stamp
+from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, divisors
 from .base import Pass, PassError, register
 from .tp_blocks import Block, NotABlock, bias_of, is_linear, plan_block, regions_innermost_first
@@ -37,6 +38,40 @@ from .tp_units import unit_function
 commfx = torch.ops.commfx
 PASS = "tensor_parallel"
 GROUP = "tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBlock:
+    """One split block of the inferred plan: its column-parallel linears, its row-parallel
+    one (module paths of their weights) and how many heads or columns its ranks share."""
+
+    path: str
+    colwise: tuple[str, ...]
+    rowwise: str
+    units: int
+    unit: str  # "heads" or "columns"
+
+    def line(self) -> str:
+        """`model.layers.0.self_attn: q_proj,k_proj,v_proj colwise; o_proj rowwise (4 heads)`."""
+        short = lambda name: name[len(self.path) + 1:] if self.path and name.startswith(self.path + ".") else name  # noqa: E731
+        return f"{self.path or '<root>'}: {','.join(short(c) for c in self.colwise)} colwise; {short(self.rowwise)} rowwise ({self.units} {self.unit})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """The plan tensor_parallel inferred, torchtitan style: which linear is split how."""
+
+    tp: int
+    blocks: tuple[PlannedBlock, ...]
+
+    @property
+    def styles(self) -> dict[str, str]:
+        """Module path of each split linear -> "colwise" or "rowwise" (torchtitan's
+        `{"attention.wq": colwise_parallel(), ...}`), in graph order."""
+        return {name: style for b in self.blocks for name, style in [*((c, "colwise") for c in b.colwise), (b.rowwise, "rowwise")]}
+
+    def lines(self) -> list[str]:
+        return [b.line() for b in self.blocks]
 
 
 @register
@@ -98,11 +133,13 @@ class TensorParallel(Pass):
                 "tensor_parallel found no attention or MLP block to split (a module whose linears read its input "
                 "and feed one output linear)" + (f"; blocks it could not split: {'; '.join(skipped)}" if skipped else "")
             )
+        tp_plan = _plan(blocks, tp)
         shards = program.annotations.setdefault("shards", {})
         # Each block's unit function, planned on the graph before any block is rewritten.
         units = {b.path: unit_function(graph, b, *members[b.path], tp, sizes) for b in blocks}
+        rw = Rewriter(program, PASS)
         for block in blocks:
-            copies = _rewrite_block(graph, block, tp, shards)
+            copies = _rewrite_block(rw, block, tp, shards)
             if units[block.path] is not None:  # the unit function reads the tp_copy where one was made
                 units[block.path]["externals"] = [copies.get(e, e).name for e in units[block.path]["externals"]]
         program.annotations["tp_units"] = {path: u for path, u in units.items() if u is not None}
@@ -110,18 +147,33 @@ class TensorParallel(Pass):
             {"path": b.path, "columns": [c.name for c in b.columns], "row": b.row.name, "units": b.row_layout[1]} for b in blocks
         ]
         program.annotations["tp_skipped"] = skipped
-        program.annotations.setdefault("notes", []).append(_note(blocks, skipped, tp))
-        program.gm.recompile()
+        program.annotations["tp_plan"] = tp_plan
+        program.annotations.setdefault("notes", []).extend(_note(tp_plan, skipped))
+        rw.finish()
         return True
 
 
-def _note(blocks: list["Block"], skipped: list[str], tp: int) -> str:
-    """What the pass split and what it left replicated, for `commfx dump`."""
-    split = ", ".join(f"{b.path} ({b.row_layout[1]} units)" for b in blocks)
-    note = f"tensor_parallel splits {len(blocks)} block(s) over tp={tp}: {split}"
+def _plan(blocks: list[Block], tp: int) -> TPPlan:
+    """The plan the blocks amount to, keyed by the module path of each linear's weight (the
+    block's own path is the linears' common module prefix, in the same naming)."""
+    module = lambda linear: linear.args[1].target.removesuffix(".weight")  # noqa: E731
+    planned = []
+    for b in blocks:
+        colwise, rowwise = tuple(module(c) for c in b.columns), module(b.row)
+        parts = [name.split(".") for name in (*colwise, rowwise)]
+        common = next((i for i in range(min(map(len, parts))) if len({p[i] for p in parts}) > 1), min(map(len, parts)))
+        planned.append(PlannedBlock(".".join(parts[0][:common]), colwise, rowwise, b.row_layout[1],
+                                    "heads" if b.row_layout[2] > 1 else "columns"))
+    return TPPlan(tp, tuple(planned))
+
+
+def _note(plan: TPPlan, skipped: list[str]) -> list[str]:
+    """What the pass split and what it left replicated, for `commfx dump`: a summary, then
+    the inferred plan one block a line (`commfx dump` prints each note as one comment line)."""
+    note = f"tensor_parallel splits {len(plan.blocks)} block(s) over tp={plan.tp}, plan below"
     if skipped:
         note += f"; leaves {len(skipped)} replicated (tensor_parallel:strict=true makes this an error): " + "; ".join(skipped)
-    return note
+    return [note, *(f"tensor_parallel plan: {line}" for line in plan.lines())]
 
 
 def _head_counts(model: torch.nn.Module) -> list[tuple[str, str, int]]:
@@ -145,20 +197,19 @@ def _head_counts(model: torch.nn.Module) -> list[tuple[str, str, int]]:
 # ------------------------------------------------------------------------------ rewrite
 
 
-def _rewrite_block(graph: fx.Graph, block: Block, tp: int, shards: dict) -> dict[fx.Node, fx.Node]:
+def _rewrite_block(rw: Rewriter, block: Block, tp: int, shards: dict) -> dict[fx.Node, fx.Node]:
     """Rewrite one block in place; returns each replicated value -> the tp_copy it now enters through."""
     for node, args, kwargs in block.rewrites:
         node.args, node.kwargs = args, kwargs
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = {n: i for i, n in enumerate(rw.graph.nodes)}
     made = {}
     for value, consumers in block.copies.items():
         first = min(consumers, key=order.get)
-        with graph.inserting_before(first):
-            copy = graph.call_function(commfx.tp_copy.default, (value, GROUP))
+        with rw.before(first):
+            copy = rw.call(commfx.tp_copy.default, (value, GROUP), like=first,
+                           purpose="enters the tensor-parallel block (input gradient all-reduced over tp)")
         if "example_value" in value.meta:
             copy.meta["example_value"] = value.meta["example_value"]
-        copy.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack", {}))
-        stamp(copy, PASS, "enters the tensor-parallel block (input gradient all-reduced over tp)")
         made[value] = copy
         for consumer in consumers:
             consumer.replace_input_with(value, copy)
@@ -174,18 +225,14 @@ def _rewrite_block(graph: fx.Graph, block: Block, tp: int, shards: dict) -> dict
     row.args = (row.args[0], weight, None)
     row.kwargs = {}
     stamp(row, PASS, "row-parallel: partial products over this rank's heads/columns")
-    with graph.inserting_after(row):
-        reduced = graph.call_function(commfx.all_reduce.default, (row, GROUP, f"{block.path} row-parallel output"))
-    stamp(reduced, PASS, "sum the partial products over tp")
-    reduced.meta["nn_module_stack"] = dict(row.meta.get("nn_module_stack", {}))
+    keep = ("example_value", "val")
+    with rw.after(row):
+        reduced = rw.call(commfx.all_reduce.default, (row, GROUP, f"{block.path} row-parallel output"), like=row, keep=keep,
+                          purpose="sum the partial products over tp")
     out = reduced
     if isinstance(bias, fx.Node):
-        with graph.inserting_after(reduced):
-            out = graph.call_function(operator.add, (reduced, bias))
-        out.meta["nn_module_stack"] = dict(row.meta.get("nn_module_stack", {}))
-    for key in ("example_value", "val"):
-        if key in row.meta:
-            reduced.meta[key] = out.meta[key] = row.meta[key]
+        with rw.after(reduced):
+            out = rw.call(operator.add, (reduced, bias), like=row, keep=keep)
     for user in list(row.users):
         if user is not reduced:
             user.replace_input_with(row, out)

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..compiler.rewrite import Rewriter
 from .tp_blocks import Block, NotABlock, bias_of, plan_block
 from .tp_shard_rules import Sizes, Unsupported
 
@@ -67,37 +68,38 @@ def unit_function(graph: fx.Graph, block: Block, nodes, linears, tp: int, sizes:
             if arg not in inside and arg not in weights and arg not in externals and not (node is block.row and arg is bias_of(node)):
                 externals.append(arg)
     sub = fx.Graph()
-    count = sub.placeholder("count")
-    env = {e: sub.placeholder(f"input_{i}") for i, e in enumerate(externals)}
+    rw = Rewriter(sub, "tensor_parallel")  # a graph of its own: no module stacks, no stamps
+    placeholder = lambda name: rw.call(name, op="placeholder")  # noqa: E731
+    count = placeholder("count")
+    env = {e: placeholder(f"input_{i}") for i, e in enumerate(externals)}
     columns = []
     for i, column in enumerate(block.columns):
         bias = bias_of(column)
-        env[column.args[1]] = sub.placeholder(f"weight_{i}")
+        env[column.args[1]] = placeholder(f"weight_{i}")
         if isinstance(bias, fx.Node):
-            env[bias] = sub.placeholder(f"bias_{i}")
+            env[bias] = placeholder(f"bias_{i}")
         columns.append({"weight": column.args[1].target, "bias": bias.target if isinstance(bias, fx.Node) else None,
                         "layout": [block.layouts[column][0], block.layouts[column][1] // tp, block.layouts[column][2]]})
-    env[block.row.args[1]] = sub.placeholder("row_weight")
+    env[block.row.args[1]] = placeholder("row_weight")
 
     def scaled(old, new):
         """`new` with each literal the rules divided (old != new) as count x new."""
         if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)) and len(old) == len(new):
             return type(new)(scaled(o, n) for o, n in zip(old, new))
         if type(old) is int and type(new) is int and old != new:
-            return new if new == -1 else sub.call_function(operator.mul, (count, new))
+            return new if new == -1 else rw.call(operator.mul, (count, new))
         return fx.map_arg(new, env.get)
 
     for node in sequence:
         if node in block.columns or node is block.row:
             args = (env[node.args[0]], env[node.args[1]], env.get(bias_of(node)) if node in block.columns else None)
-            env[node] = sub.call_function(F.linear, args)
+            env[node] = rw.call(F.linear, args)
         elif node in new_args:
             args, kwargs = new_args[node]
-            env[node] = sub.call_function(node.target, scaled(node.args, args), scaled(node.kwargs, kwargs)) if node.op == "call_function" \
-                else sub.call_method(node.target, scaled(node.args, args), scaled(node.kwargs, kwargs))
+            env[node] = rw.call(node.target, scaled(node.args, args), scaled(node.kwargs, kwargs), op=node.op)
         else:
-            env[node] = sub.node_copy(node, lambda a: env[a])
-    sub.output(env[block.row])
+            env[node] = rw.copy(node, fx.map_arg(node.args, env.__getitem__), fx.map_arg(node.kwargs, env.__getitem__), name=node.name)
+    rw.call("output", (env[block.row],), op="output")
     return {
         "graph": fx.GraphModule(torch.nn.Module(), sub), "externals": externals, "columns": columns,
         "row": {"weight": block.row.args[1].target, "layout": [block.row_layout[0], block.row_layout[1] // tp, block.row_layout[2]]},
