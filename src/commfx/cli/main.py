@@ -90,13 +90,18 @@ def cmd_dump(args) -> int:
         text = render_pipeline(program.annotations["pipeline"], args.format)
     if args.format == "code" and program.annotations.get("notes"):  # what passes chose, and why
         text = "".join(f"# {note}\n" for note in program.annotations["notes"]) + text
-    if args.output:
-        with open(args.output, "w") as f:
+    _write(text, args.output, f"{args.stage} graph ({len(gm.graph.nodes)} nodes)")
+    return 0
+
+
+def _write(text: str, path: str | None, what: str) -> None:
+    """`text` to the file `path` (saying so), or to stdout."""
+    if path:
+        with open(path, "w") as f:
             f.write(text)
-        console.print(f"wrote {args.stage} graph ({len(gm.graph.nodes)} nodes) to {args.output}")
+        console.print(f"wrote {what} to {path}")
     else:
         sys.stdout.write(text)
-    return 0
 
 
 def _dump_diff(args, plan: Plan, model, inputs) -> int:
@@ -112,12 +117,7 @@ def _dump_diff(args, plan: Plan, model, inputs) -> int:
     snapshots = PassSnapshots(args.diff, args.format)
     compile_program(model, plan, inputs, stop_after=args.diff, observe=snapshots)
     text = snapshots.diff() or f"# {args.diff} changed nothing in the rendered graph\n"
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-        console.print(f"wrote the diff around {args.diff} to {args.output}")
-    else:
-        sys.stdout.write(text)
+    _write(text, args.output, f"the diff around {args.diff}")
     return 0
 
 
