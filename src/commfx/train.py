@@ -77,7 +77,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .api import distribute
     from .compiler.render import render
     from .runtime.pipeline.module import PipelineModule
-    from .verify import batch_tensors, call, data_share, local_batch
+    from .verify import batch_tensors, call, data_share, local_batch, pipeline_step
 
     kwargs = {"batch": config.batch} if config.batch else {}
     model, inputs = load_model(config.model, seed=config.seed, **kwargs)
@@ -102,8 +102,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         dm.scheduler.stats.reset()
         optimizer.zero_grad(set_to_none=True)
         if pipelined:  # forward and backward over micro-batches; the last stage has the loss
-            args, kw = ((), local) if isinstance(local, dict) else (local, {})
-            loss = dm.step(*args, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs), **kw).loss
+            loss = pipeline_step(dm, local, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs)).loss
         else:
             loss = loss_fn(call(dm, local), tensors)
             loss.backward()

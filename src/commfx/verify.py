@@ -123,6 +123,11 @@ def call(model, inputs):
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
+def pipeline_step(pipeline, inputs, **options):
+    """A pipeline module's `step` on a batch, passed as `call` passes it."""
+    return pipeline.step(**inputs, **options) if isinstance(inputs, dict) else pipeline.step(*inputs, **options)
+
+
 class NonFiniteError(ValueError):
     """A NaN or inf where training or verifying needs numbers: never a pass."""
 
@@ -273,8 +278,7 @@ def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: i
         mine = [split_batch(p, parts, part)[microbatch.rows] for p in probes(flat, global_rows, seed)]
         return sum((o * p).sum() for o, p in zip(flat, mine))
 
-    args, kwargs = ((), local) if isinstance(local, dict) else (local, {})
-    result = dm.step(*args, loss_fn=loss_fn, scale_grads=False, **kwargs)
+    result = pipeline_step(dm, local, loss_fn=loss_fn, scale_grads=False)
     per_mb = [pytree.tree_flatten(o)[0] for o in result.outputs]
     outputs = [torch.cat([mb[i] for mb in per_mb]) for i in range(len(per_mb[0]))] if per_mb else []
     return {

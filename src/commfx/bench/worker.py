@@ -47,14 +47,13 @@ class _PlanRunner:
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
         from ..train import loss_fn
-        from ..verify import batch_tensors, call
+        from ..verify import batch_tensors, call, pipeline_step
 
         # Backward comm ops find the process-default scheduler: make it this plan's.
         install_default(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipelined:
-            args, kwargs = ((), self.inputs) if isinstance(self.inputs, dict) else (self.inputs, {})
-            self.dm.step(*args, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs), **kwargs)
+            pipeline_step(self.dm, self.inputs, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs))
         else:
             loss_fn(call(self.dm, self.inputs), batch_tensors(self.inputs)).backward()
         self.optimizer.step()
