@@ -313,6 +313,76 @@ def test_inter_node_is_rate_limited_and_delayed(netns):
     assert intra["rtt_s"] < 0.002, m
 
 
+_RECEIVER = r"""
+import socket, sys
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+conn, _ = srv.accept()
+got = 0
+while chunk := conn.recv(1 << 16):
+    got += len(chunk)
+conn.close()
+print(got, flush=True)
+"""
+
+_SENDER = r"""
+import json, socket, sys, time
+from commfx.bench.wire import read_counters
+addr, port, nbytes, dev = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+before = read_counters(dev)
+with socket.create_connection((addr, port), timeout=20) as s:
+    s.sendall(b"x" * nbytes)
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)  # the receiver closes once it has every byte
+time.sleep(0.2)  # the last acknowledgements
+d = read_counters(dev) - before
+print(json.dumps({"tx": d.tx_bytes, "rx": d.rx_bytes, "tx_packets": d.tx_packets}), flush=True)
+"""
+
+
+def test_link_counters_count_what_crosses_the_link_once(netns):
+    # 2 MB over TCP from node 0 to node 1 through the latency emulation (the user-space tun
+    # delay line where the kernel lacks netem, which forwards every packet a second time in
+    # the hub): node 0's link sent the payload plus headers, node 1's link received the
+    # same, and the reverse direction carries only acknowledgements. Read inside the node's
+    # namespace (as a bench rank does) and from the parent through `ip netns exec`.
+    payload = 2_000_000
+    with EmulatedCluster(2, 1, LinkSpec("200mbit", "1ms"), allow_fallback=False) as c:
+        assert c.link_devices() == (c.node_if[0], c.node_if[1])
+        start = c.link_counters()
+        recv = subprocess.Popen(["ip", "netns", "exec", c.node_ns[1], sys.executable, "-c", _RECEIVER, c.node_addr(1), "5001"],
+                                env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert recv.stdout.readline().strip() == "listening", recv.stderr.read()
+            send = subprocess.run(["ip", "netns", "exec", c.node_ns[0], sys.executable, "-c", _SENDER, c.node_addr(1), "5001",
+                                   str(payload), c.node_if[0]], env=CHILD_ENV, capture_output=True, text=True, timeout=60)
+            assert send.returncode == 0, send.stderr[-2000:]
+            received, _ = recv.communicate(timeout=30)
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+                recv.communicate(timeout=10)
+        end = c.link_counters()
+    assert int(received) == payload
+    inside = json.loads(send.stdout)
+    node0, node1 = end[0] - start[0], end[1] - start[1]
+    assert payload < inside["tx"] < 1.03 * payload, inside  # headers: ~66 B per 9000-byte frame
+    assert inside["tx_packets"] >= payload / 9000, inside  # whole frames, each counted once
+    assert inside["tx"] <= node0.tx_bytes < inside["tx"] + 2000, (inside, node0)  # the parent sees the same device
+    assert node1.rx_bytes == pytest.approx(node0.tx_bytes, rel=0.01), (node0, node1)  # what left node 0 reached node 1
+    assert node0.rx_bytes < 0.05 * payload and node1.tx_bytes < 0.05 * payload, (node0, node1)  # acknowledgements only
+
+
+def test_no_link_to_count_on_one_node_or_localhost(netns, monkeypatch):
+    with EmulatedCluster(1, 2, LinkSpec("1gbit"), allow_fallback=False) as c:
+        assert c.emulated and c.link_devices() == ()
+        with pytest.raises(ClusterError, match="no inter-node links"):
+            c.link_counters()
+    monkeypatch.setattr(ns_module.os, "geteuid", lambda: 1000)
+    with EmulatedCluster(2, 1, None) as c:
+        assert not c.emulated and c.link_devices() == ()
+
+
 # --------------------------------------------------------------------------- calibrate
 
 

@@ -25,6 +25,8 @@ through IP routing, where the delay line can be inserted.
   table 100: ``default dev Pd``) hands every packet arriving from a node to a tun
   device; a small Python program (:mod:`commfx.bench.delay_line`) holds it for
   ``latency`` and writes it back, and the main table forwards it to the destination veth.
+* bytes on the wire: every node's ``Pn<i>`` counters (:meth:`EmulatedCluster.link_counters`,
+  :mod:`commfx.bench.wire`), what node i sent and received over its link.
 
 Nothing is created in the host's root network namespace: all links, addresses, routes
 and qdiscs live in namespaces this module creates, and the address plan
@@ -66,6 +68,7 @@ from . import delay_line
 from .links import LinkSpec
 from .netns import (ETC_NETNS, NAME_PREFIX, SUBNET, ClusterError, cleanup_stale, delete_namespaces, list_run_namespaces,
                     namespace_problem, run_command)
+from .wire import LinkCounters, parse_net_dev
 
 __all__ = ["EmulatedCluster", "RankLaunch", "ClusterUnavailable"]
 
@@ -193,6 +196,24 @@ class EmulatedCluster:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+
+    def link_devices(self) -> tuple[str, ...]:
+        """Per node, the device whose counters are its inter-node link's: the node end of its
+        veth (see :mod:`commfx.bench.wire` for why that end); () when there is no link to
+        count (one node, or the localhost fallback)."""
+        return tuple(self.node_if) if self.emulated and self.nodes > 1 else ()
+
+    def link_counters(self) -> list[LinkCounters]:
+        """Every node's link counters now, read from the parent through ``ip netns exec``
+        (a rank reads its own node's with :func:`commfx.bench.wire.read_counters`)."""
+        devices = self.link_devices()
+        if not devices:
+            raise ClusterError(f"no inter-node links to count ({self.describe()})")
+        out = []
+        for ns, dev in zip(self.node_ns, devices):
+            text = run_command(["ip", "netns", "exec", ns, "cat", "/proc/net/dev"]).stdout
+            out.append(parse_net_dev(text)[dev])
+        return out
 
     def describe(self) -> str:
         if self.link is None:
