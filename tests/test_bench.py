@@ -59,7 +59,7 @@ def _bench(tmp_path: Path, *extra: str, timeout: float = 120.0, model: str = "gp
     return json.loads(out.read_text()), stdout, proc.pid
 
 
-def _expected_inter_node_bytes(world: int = 2) -> dict[str, dict[str, int]]:
+def _expected_inter_node_bytes(world: int = 2, **model_kwargs) -> dict[str, dict[str, int]]:
     """Bytes all ranks send per step on 2 nodes x 1 rank (every peer is on the other node).
 
     plan (expert parallel, capacity C): per MoE layer and rank, 4 all-to-alls (dispatch
@@ -68,7 +68,7 @@ def _expected_inter_node_bytes(world: int = 2) -> dict[str, dict[str, int]]:
     replicated (non-expert) gradients sends 2 (P-1)/P = 1 buffer per rank.
     baseline (data parallel): the all-reduce of every gradient.
     """
-    model, (ids,) = load_model("gpt-moe-tiny")
+    model, (ids,) = load_model("gpt-moe-tiny", **model_kwargs)
     cfg = model.config
     tokens = ids.numel() // world
     capacity = expert_capacity(tokens, cfg.top_k, cfg.num_experts, CAPACITY)
@@ -82,7 +82,7 @@ def _expected_inter_node_bytes(world: int = 2) -> dict[str, dict[str, int]]:
     }
 
 
-def _check_result(result: dict, stdout: str) -> None:
+def _check_result(result: dict, stdout: str, **model_kwargs) -> None:
     assert result["world_size"] == 2 and result["nodes"] == 2 and result["steps"] == 2
     plans = {p["label"]: p for p in result["plans"]}
     assert set(plans) == {"plan", "baseline"}
@@ -91,8 +91,10 @@ def _check_result(result: dict, stdout: str) -> None:
             timing = plan[key]
             assert len(timing["samples_s"]) == 2
             assert 0 < timing["min_s"] <= timing["median_s"] <= timing["max_s"]
-        assert plan["overlap_bound_s"] == max(plan["compute_only"]["median_s"], plan["comm_only"]["median_s"])
-    for label, kinds in _expected_inter_node_bytes().items():
+        assert plan["replay_bound_s"] == max(plan["compute_only"]["median_s"], plan["comm_only"]["median_s"])
+        assert "overlap_bound_s" not in plan
+        _check_wire(result, plan)
+    for label, kinds in _expected_inter_node_bytes(**model_kwargs).items():
         measured = plans[label]["bytes_per_step"]
         assert set(measured) == set(kinds), measured
         for kind, expected in kinds.items():
@@ -100,10 +102,34 @@ def _check_result(result: dict, stdout: str) -> None:
             assert measured[kind]["intra_node_bytes"] == 0  # one rank per node
         assert plans[label]["inter_node_bytes_per_step"] == sum(kinds.values())
     ratios = result["ratios_plan_over_baseline"]
-    assert set(ratios) >= {"wall", "compute_only", "comm_only", "overlap_bound", "inter_node_bytes"}
+    assert set(ratios) >= {"wall", "compute_only", "comm_only", "replay_bound", "wire_bound", "inter_node_bytes"}
+    assert set(result["wall_over_baseline"]["plan"]) >= {"wall_over_own_wire_bound", "wall_over_baseline_wire_bound",
+                                                         "wall_over_own_replay_bound"}
     assert len(result["paired_wall_ratio"]["samples_s"]) == 2
-    for text in ("wall", "compute-only", "comm-only", "max(comp, comm)", "plan ÷ baseline", "inter-node B", "grad_all_reduce"):
+    for text in ("wall", "compute-only", "comm-only", "replay bound", "wire bound", "plan ÷ baseline", "inter-node B",
+                 "grad_all_reduce"):
         assert text in stdout, text
+    assert ("wire ÷ scheduler" if result["emulated"] else "bytes on the wire: not counted") in stdout
+
+
+def _check_wire(result: dict, plan: dict) -> None:
+    """Emulated: each node's link counters saw every byte the scheduler counted, within 10%
+    (headers, acknowledgements, gloo's framing), and the wire bound follows from them and the
+    link. Plain localhost: no link, so null (not 0) for both."""
+    wire = plan["wire_bytes_per_step"]
+    if not result["emulated"]:
+        assert wire is None and plan["wire_bound_s"] is None and result["wire_counters"] is None
+        return
+    assert [n["node"] for n in wire["per_node"]] == [0, 1] and len(wire["samples"][0]["tx_rx_bytes"]) == 2
+    sent = sum(n["tx_bytes"] for n in wire["per_node"])
+    assert wire["sent_bytes"] == sent and wire["scheduler_inter_node_bytes"] == plan["inter_node_bytes_per_step"]
+    assert wire["busiest_link_bytes"] == max(max(n["tx_bytes"], n["rx_bytes"]) for n in wire["per_node"])
+    assert plan["inter_node_bytes_per_step"] <= sent <= 1.10 * plan["inter_node_bytes_per_step"], (plan["label"], wire)
+    assert wire["agrees"] is True
+    link_s = wire["busiest_link_bytes"] * 8 / result["inter_node_rate_bits"]
+    latency_s = plan["wire_messages_per_step"] * result["inter_node_latency_s"]
+    assert plan["wire_messages_per_step"] >= 1
+    assert plan["wire_bound_s"] == pytest.approx(max(plan["compute_only"]["median_s"], link_s + latency_s))
 
 
 def test_bench_emulated_cluster(tmp_path):
@@ -112,10 +138,15 @@ def test_bench_emulated_cluster(tmp_path):
         if os.environ.get("COMMFX_SKIP_NETNS"):
             pytest.skip(f"emulated cluster unavailable ({problem})")
         pytest.fail(f"the emulated bench needs root and iproute2 ({problem}); or set COMMFX_SKIP_NETNS=1 to skip")
-    result, stdout, pid = _bench(tmp_path)
+    # hidden 128 rather than the tiny model's 16: ~0.5 MB per node and step, so each
+    # collective's fixed cost on the wire (~0.5 KB per all-to-all, ~1.6 KB per all-reduce:
+    # gloo's framing and small TCP segments, which take 18% of the 16-wide model's 29 KB) stays
+    # inside the 10% that headers and acknowledgements are allowed.
+    result, stdout, pid = _bench(tmp_path, "--model-arg", "hidden_size=128")
     assert result["emulated"] is True, result["fallback_reason"]
     assert result["inter_node_link"] == "500mbit,1ms"
-    _check_result(result, stdout)
+    assert (result["inter_node_rate_bits"], result["inter_node_latency_s"]) == (500e6, 1e-3)
+    _check_result(result, stdout, hidden_size=128)
     assert not [n for n in list_run_namespaces() if n.startswith(f"cfx{pid}x")], "namespaces left behind"
 
 

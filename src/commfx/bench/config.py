@@ -54,6 +54,9 @@ class BenchConfig:
     # defer_grad_sync one step's gradient traffic overlaps the next step's forward, which a
     # round of one step can not show. Every round ends with the plan's traffic settled.
     steps_per_round: int = 1
+    # Per node, the device whose counters are its inter-node link (set by run_bench once the
+    # cluster exists; () without a link to count: one node, or plain localhost).
+    link_devices: tuple[str, ...] = ()
 
 
 def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0, pp: int = 1,

@@ -25,7 +25,9 @@ Plans alternate order every round (A B, B A, A B, ...), so slow phases of the ma
 (other processes, page cache) hit plan and baseline alike, and the per-round ratio of
 the two is a paired measurement. Bytes come from the scheduler's exact counters during
 the training step, summed over ranks and split into intra- and inter-node by the plan's
-topology.
+topology; beside them, the bytes that really crossed each node's link in the same span
+(the link's own counters, read on each node before the step and after a barrier that
+follows it: :mod:`commfx.bench.wire`), which give the wire bound.
 
 The parent side (:func:`run_bench`) makes the cluster, optionally calibrates it,
 launches the ranks with a progress bar, and turns the per-rank samples into a
@@ -161,6 +163,7 @@ def _run_on_cluster(config: BenchConfig, link, emulate: bool, calibrate_first: b
         if calibrate_first:
             calibration = calibrate(cluster, link)
             console.print(calibration_table(calibration))
+        config = dataclasses.replace(config, link_devices=cluster.link_devices())
         samples = launch_ranks(cluster, config, console=console, timeout_s=timeout_s)
         result = summarise(samples, config, cluster, link)
         if config.trace_dir:

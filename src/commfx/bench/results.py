@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
-from .links import LinkSpec
 from .config import BenchConfig
+from .links import LinkSpec
+from .wire import AGREEMENT_TOLERANCE, wire_bound
 
 TIMING_KINDS = ("wall", "compute", "comm")
+WIRE_COUNTERS = ("tx/rx bytes of the node end of each node's veth (/proc/net/dev in its namespace), "
+                 "from after the barrier that starts a training step to after a barrier that follows it")
 
 
 @dataclass
@@ -58,23 +61,82 @@ class PlanResult:
     slowed: bool = False  # the straggler (if any) was slow in this plan
     decisions: list[str] = field(default_factory=list)  # resize_tp's decisions (rank 0's; every rank's are the same)
     placement_decisions: list[str] = field(default_factory=list)  # pack_experts re-placements (rank 0's)
+    # Per node: its link device and, per measured round, the (tx, rx) bytes per step its link
+    # counters saw; None where there is no link to count (one node, plain localhost).
+    wire: list[dict] | None = None
+    messages: float = 0.0  # node-crossing collectives per step in the longest lane of any rank
+    link: LinkSpec | None = None  # the inter-node link the cluster set (rate and latency of the wire bound)
 
     @property
-    def bound(self) -> float:
-        """Perfect-overlap bound: a step can not be faster than its compute or its comm."""
+    def replay_bound(self) -> float:
+        """max(compute-only, the step's collectives replayed alone): a diagnostic, not a
+        bound (the replay gets faster with smaller chunks of the same bytes)."""
         return max(self.compute.median, self.comm.median)
 
     def total(self, key: str) -> float:
         return sum(entry[key] for entry in self.bytes.values())
 
+    def wire_per_node(self) -> list[dict] | None:
+        """Per node: mean bytes per step its link sent (tx) and received (rx)."""
+        if self.wire is None:
+            return None
+        return [{"node": n["node"], "device": n["device"],
+                 "tx_bytes": statistics.fmean(tx for tx, _ in n["samples"]),
+                 "rx_bytes": statistics.fmean(rx for _, rx in n["samples"])} for n in self.wire]
+
+    @property
+    def busiest_link_bytes(self) -> float | None:
+        """Bytes per step in the busiest direction of the busiest node's link."""
+        nodes = self.wire_per_node()
+        return None if nodes is None else max(max(n["tx_bytes"], n["rx_bytes"]) for n in nodes)
+
+    @property
+    def wire_sent_bytes(self) -> float | None:
+        """Bytes per step all links carried (what every node sent: the scheduler's
+        inter-node count plus headers, acknowledgements and gloo's framing)."""
+        nodes = self.wire_per_node()
+        return None if nodes is None else sum(n["tx_bytes"] for n in nodes)
+
+    @property
+    def wire_over_scheduler(self) -> float | None:
+        sent, counted = self.wire_sent_bytes, self.total("inter_node_bytes")
+        return None if sent is None or not counted else sent / counted
+
+    @property
+    def wire_agrees(self) -> bool | None:
+        """Wire bytes within AGREEMENT_TOLERANCE of the scheduler's inter-node count."""
+        ratio = self.wire_over_scheduler
+        return None if ratio is None else abs(ratio - 1) <= AGREEMENT_TOLERANCE
+
+    @property
+    def wire_bound(self) -> float | None:
+        """max(compute-only, busiest link's wire bytes ÷ link rate + messages × latency);
+        None without wire bytes or without a set link rate (``--inter-node none``)."""
+        busiest = self.busiest_link_bytes
+        if busiest is None or self.link is None:
+            return None
+        return wire_bound(self.compute.median, busiest, self.link.rate_bits, self.messages, self.link.latency_s)
+
+    def wire_dict(self) -> dict | None:
+        nodes = self.wire_per_node()
+        if nodes is None:
+            return None
+        return {
+            "per_node": nodes, "busiest_link_bytes": self.busiest_link_bytes, "sent_bytes": self.wire_sent_bytes,
+            "scheduler_inter_node_bytes": self.total("inter_node_bytes"), "wire_over_scheduler": self.wire_over_scheduler,
+            "agrees_within": AGREEMENT_TOLERANCE, "agrees": self.wire_agrees,
+            "samples": [{"node": n["node"], "tx_rx_bytes": n["samples"]} for n in self.wire],
+        }
+
     def as_dict(self) -> dict:
         return {
             "label": self.label, "passes": self.passes,
             "wall": self.wall.as_dict(), "compute_only": self.compute.as_dict(), "comm_only": self.comm.as_dict(),
-            "overlap_bound_s": self.bound,
+            "replay_bound_s": self.replay_bound, "wire_bound_s": self.wire_bound,
             "bytes_per_step": self.bytes,
             "intra_node_bytes_per_step": self.total("intra_node_bytes"),
             "inter_node_bytes_per_step": self.total("inter_node_bytes"),
+            "wire_bytes_per_step": self.wire_dict(), "wire_messages_per_step": self.messages,
             "rank_compute_only_median_s": [t.median for t in self.rank_compute],
             "rank_step_compute_median_s": [t.median for t in self.rank_own_compute],
             "straggler_slowed": self.slowed, "resize_tp_decisions": self.decisions,
@@ -115,31 +177,39 @@ class BenchResult:
             "wall": (plan.wall.median, base.wall.median),
             "compute_only": (plan.compute.median, base.compute.median),
             "comm_only": (plan.comm.median, base.comm.median),
-            "overlap_bound": (plan.bound, base.bound),
+            "replay_bound": (plan.replay_bound, base.replay_bound),
+            "wire_bound": (plan.wire_bound, base.wire_bound),
             "inter_node_bytes": (plan.total("inter_node_bytes"), base.total("inter_node_bytes")),
             "intra_node_bytes": (plan.total("intra_node_bytes"), base.total("intra_node_bytes")),
+            "busiest_link_wire_bytes": (plan.busiest_link_bytes, base.busiest_link_bytes),
         }
-        return {k: (a / b if b else float("nan")) for k, (a, b) in values.items()}
+        return {k: _ratio(a, b) for k, (a, b) in values.items()}
 
-    def wall_ratios(self) -> dict[str, dict[str, float]] | None:
-        """Per plan: wall ÷ baseline wall, and wall ÷ the baseline's perfect-overlap bound."""
+    def wall_ratios(self) -> dict[str, dict[str, float | None]] | None:
+        """Per plan: wall ÷ baseline wall, and wall ÷ the wire bounds (the headline; None where
+        there is no wire bound) and ÷ the replay bounds (a diagnostic)."""
         base = self.baseline
         if base is None:
             return None
         return {
             p.label: {"wall_over_baseline_wall": p.wall.median / base.wall.median,
-                      "wall_over_baseline_bound": p.wall.median / base.bound,
-                      "wall_over_own_bound": p.wall.median / p.bound}
+                      "wall_over_own_wire_bound": _ratio(p.wall.median, p.wire_bound),
+                      "wall_over_baseline_wire_bound": _ratio(p.wall.median, base.wire_bound),
+                      "wall_over_own_replay_bound": p.wall.median / p.replay_bound,
+                      "wall_over_baseline_replay_bound": p.wall.median / base.replay_bound}
             for p in self.plans
         }
 
     def as_dict(self) -> dict:
+        link = LinkSpec.parse(self.link) if self.link else None
         out = {
             "model": self.model, "model_kwargs": self.model_kwargs,
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.nodes * self.ranks_per_node,
             "inter_node_link": self.link, "emulated": self.emulated, "cluster": self.cluster,
             "fallback_reason": self.fallback_reason, "steps": self.steps, "warmup": self.warmup,
             "steps_per_round": self.steps_per_round,
+            "inter_node_rate_bits": link.rate_bits if link else None, "inter_node_latency_s": link.latency_s if link else None,
+            "wire_counters": WIRE_COUNTERS if any(p.wire is not None for p in self.plans) else None,
             "plans": [p.as_dict() for p in self.plans],
             "ratios_plan_over_baseline": self.ratios(),
             "wall_over_baseline": self.wall_ratios(),
@@ -164,6 +234,9 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
             slowed=config.slow is not None and spec.label not in config.healthy,
             decisions=per_rank[0].get("decisions", []),
             placement_decisions=per_rank[0].get("placement_decisions", []),
+            wire=_wire_per_node(per_rank, config.ranks_per_node),
+            messages=max(statistics.fmean(r["messages"]) if r.get("messages") else 0.0 for r in per_rank),
+            link=link,
         ))
     paired = None
     if len(plans) > 1:
@@ -186,6 +259,20 @@ def _cluster_times(per_rank_spans: list[list[tuple[float, float]]], kind: str) -
         else:
             times.append(max(end for _, end in spans) - max(start for start, _ in spans))
     return times
+
+
+def _wire_per_node(per_rank: list[dict], ranks_per_node: int) -> list[dict] | None:
+    """The link counters' samples of every node (its first rank read them), or None when
+    no rank read any (no link to count)."""
+    readers = [(rank // ranks_per_node, r) for rank, r in enumerate(per_rank) if r.get("wire_device")]
+    if not readers:
+        return None
+    return [{"node": node, "device": r["wire_device"], "samples": [tuple(sample) for sample in r["wire"]]}
+            for node, r in readers]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def _bytes_per_step(per_rank_steps: list[list[dict]]) -> dict[str, dict[str, float]]:

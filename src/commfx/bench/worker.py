@@ -13,6 +13,7 @@ import torch
 from .config import BenchConfig, PlanSpec
 from .results import TIMING_KINDS
 from .straggler import RankSlowdown
+from .wire import read_counters
 
 
 class _PlanRunner:
@@ -32,7 +33,13 @@ class _PlanRunner:
         self.scheduler = self.dm.scheduler
         self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
         self.records: list = []
-        self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": []}
+        self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": [], "wire": [], "messages": []}
+        # Bytes on the wire: every rank takes part in the barriers that close the counted span;
+        # one rank per node (its first) reads the node's link counters.
+        self.count_wire = bool(config.link_devices)
+        node, local_rank = divmod(rank, config.ranks_per_node)
+        self.link_device = config.link_devices[node] if self.count_wire and local_rank == 0 else None
+        self.samples["wire_device"] = self.link_device
         self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
         if self.controller is not None:
             self.controller.attach_optimizer(self.optimizer)  # migrated units move their AdamW state with them
@@ -59,19 +66,48 @@ class _PlanRunner:
         self.optimizer.step()
 
     def step(self) -> tuple[tuple[float, float], dict]:
-        """A real training step; records its collectives and exact bytes for this round."""
+        """A real training step; records its collectives, exact bytes and wire bytes for this round.
+
+        The link counters are read after the barrier that starts the timed span and again
+        after a barrier that follows it: once every rank is past the step, everything the
+        step sent has arrived, so the difference holds all of the step's traffic (plus the
+        closing barrier's few hundred bytes), and nothing of the next phase."""
         self.scheduler.stats.reset()
         self.scheduler.records = []
         self.scheduler.barrier()
+        before = self._link_counters()
         blocked = self.scheduler.blocked_s
         start = time.monotonic()
         self._train_steps()
         span = _per_step(start, time.monotonic(), self.steps_per_round)
         self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked) / self.steps_per_round  # wall less comm waits
+        if self.count_wire:
+            self.scheduler.barrier()
+        after = self._link_counters()
+        self.wire = None if before is None else ((after.tx_bytes - before.tx_bytes) / self.steps_per_round,
+                                                 (after.rx_bytes - before.rx_bytes) / self.steps_per_round)
         self.records, self.scheduler.records = self.scheduler.records, None
+        self.messages = self._crossing_messages() / self.steps_per_round
         stats = {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
         self._replace_experts_when_due()
         return span, stats
+
+    def _link_counters(self):
+        return read_counters(self.link_device) if self.link_device is not None else None
+
+    def _crossing_messages(self) -> int:
+        """Collectives of this round that cross nodes, in this rank's longest lane (a lane
+        issues one at a time, each waiting for the one before: the latency term of the wire
+        bound)."""
+        topology, lanes = self.scheduler.topology, {}
+        my_node = topology.node_of(self.scheduler.rank)
+        for record in self.records:
+            ranks = self.scheduler.group(record.group).ranks
+            peers = [ranks[record.peer]] if record.peer >= 0 else ranks
+            if any(topology.node_of(peer) != my_node for peer in peers):
+                key = (record.priority, record.lane)
+                lanes[key] = lanes.get(key, 0) + 1
+        return max(lanes.values(), default=0)
 
     def _train_steps(self) -> None:
         """`steps_per_round` training steps back to back, then every deferred gradient settled."""
@@ -158,6 +194,8 @@ class _PlanRunner:
             for kind, value in zip(TIMING_KINDS, (wall, compute, comm)):
                 self.samples[kind].append(value)
             self.samples["bytes"].append(nbytes)
+            self.samples["wire"].append(self.wire)
+            self.samples["messages"].append(self.messages)
             self.samples["own_compute"].append(self.own_compute)
 
     def decisions(self) -> list[str]:

@@ -23,7 +23,9 @@ def add_parser(subparsers) -> None:
             "Launch NODES x RANKS_PER_NODE ranks, each node a network namespace joined to the others by a "
             "rate/latency-limited link, and measure per step: wall time, compute-only time (collectives "
             "replaced by local copies), communication-only time (the step's collectives replayed alone), "
-            "the perfect-overlap bound max(compute, comm), and exact bytes per collective, intra/inter node. "
+            "the replay bound max(compute, comm) (a diagnostic), exact bytes per collective, intra/inter node, "
+            "the bytes each node's link really carried (its counters) and the wire bound max(compute, busiest "
+            "link's bytes / rate + messages x latency). "
             "Falls back to plain localhost (and says so) where namespaces cannot be made (needs root and "
             f"iproute2). Example: {EXAMPLE}"
         ),
