@@ -57,4 +57,11 @@ timeout 2400 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter
   --steps 10 --warmup 1 --batch 64 --model-arg hidden_size=1024 --model-arg num_heads=8 \
   --model-arg num_experts=2 --model-arg top_k=1 --model-arg expert_hidden=16 \
   --json "$OUT/optimus_cc_100mbit.json" | tee "$OUT/optimus_cc_100mbit.txt"
+# Bytes on the wire vs the scheduler's count, and the wire bound (issue 29, items 2-3):
+# naive expert parallel vs full Lina on the built-in model, 2 nodes x 1 rank at 100 Mbit/s
+timeout 900 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucket-bytes 262144 \
+  --flops-per-rank 2e10 --collective-overhead 5e-3 \
+  --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs lift,expert_parallel \
+  --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 3 --warmup 1 --timeout 800 \
+  --json "$OUT/wire_bytes_lina_gpt_moe_100mbit_2x1.json" | tee "$OUT/wire_bytes_lina_gpt_moe_100mbit_2x1.txt"
 echo "results in $OUT"
