@@ -68,14 +68,17 @@ class _PlanRunner:
     def step(self) -> tuple[tuple[float, float], dict]:
         """A real training step; records its collectives, exact bytes and wire bytes for this round.
 
-        The link counters are read after the barrier that starts the timed span and again
-        after a barrier that follows it: once every rank is past the step, everything the
-        step sent has arrived, so the difference holds all of the step's traffic (plus the
-        closing barrier's few hundred bytes), and nothing of the next phase."""
+        The link counters are read before the barrier that starts the timed span (so no
+        rank of any node sends a byte of the step before every node has read them) and
+        again after a barrier that follows the span: once every rank is past the step,
+        everything the step sent has arrived. The difference holds all of the step's
+        traffic plus the two barriers' few hundred bytes, and nothing of the next phase."""
         self.scheduler.stats.reset()
         self.scheduler.records = []
-        self.scheduler.barrier()
+        if self.count_wire:
+            self.scheduler.barrier()  # every rank is done with the previous phase's traffic
         before = self._link_counters()
+        self.scheduler.barrier()
         blocked = self.scheduler.blocked_s
         start = time.monotonic()
         self._train_steps()
