@@ -18,8 +18,8 @@ from .links import LinkSpec
 from .wire import AGREEMENT_TOLERANCE, wire_bound
 
 TIMING_KINDS = ("wall", "compute", "comm")
-WIRE_COUNTERS = ("tx/rx bytes of the node end of each node's veth (/proc/net/dev in its namespace), "
-                 "from after the barrier that starts a training step to after a barrier that follows it")
+WIRE_COUNTERS = ("tx/rx bytes of the node end of each node's veth (/proc/net/dev in its namespace), read between "
+                 "two barriers before a training step and after a barrier that follows it")
 
 
 @dataclass

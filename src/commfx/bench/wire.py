@@ -12,9 +12,11 @@ exactly one node end on the way out and one on the way in, wherever it was delay
 
 The figures are the kernel's per-device statistics as ``/proc/self/net/dev`` lists them for
 the reading process's own network namespace (a rank runs inside its node's namespace; the
-parent reads a node's through ``ip netns exec``): bytes of whole frames, so Ethernet, IP and
-TCP headers, TCP acknowledgements and gloo's own framing and barriers are in them, which is
-why they exceed the scheduler's payload count by a little (:data:`AGREEMENT_TOLERANCE`).
+parent reads a node's through ``ip netns exec``). The bench reads them between two barriers
+before a training step and after a barrier that follows it (see its worker). They count
+bytes of whole frames, so Ethernet, IP and TCP headers, TCP acknowledgements and gloo's own
+framing and barriers are in them, which is why they exceed the scheduler's payload count
+by a little (:data:`AGREEMENT_TOLERANCE`).
 
 **The bound.** A link carries ``rate`` bits a second in each direction (full duplex, one
 ``tbf`` per direction), so a step can not be faster than its busiest link direction's bytes
