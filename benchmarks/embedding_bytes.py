@@ -65,7 +65,7 @@ def measure(rank: int, world_size: int, passes: str, steps: int) -> dict:
         torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), local.reshape(-1)).backward()
         optimizer.step()
         per_step.append(dm.scheduler.stats.as_dict())
-    decisions = {k: v["strategy"] for k, v in dm.program.annotations.get("embedding_comm", {}).items()}
+    decisions = {k: v["strategy"] for k, v in dm.program.decisions.get("split_embedding_comm", {}).items()}
     return {"stats": per_step, "unique": unique, "decisions": decisions}
 
 

@@ -101,7 +101,7 @@ def report(dm, path: str, history: list[float]) -> None:
         "rank": rank, "ranks_per_node": topology.ranks_per_node, "node": topology.node_of(rank),
         "torchrun_node": int(os.environ.get("GROUP_RANK", -1)), "rows_on_node": on_node, "rows_off_node": off_node,
         "locality_gates": sum(node.target is gate for node in dm.module.graph.nodes),
-        "a2a_algorithm": dm.program.annotations.get("a2a_algorithm", "flat"), "bytes": dm.comm_stats.as_dict(),
+        "a2a_algorithm": dm.program.runtime.a2a_algorithm, "bytes": dm.comm_stats.as_dict(),
     }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)

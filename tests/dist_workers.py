@@ -119,7 +119,7 @@ def _lina_training(rank: int, world_size: int, steps: int, delays: bool) -> dict
     low = [p for p in history if p.priority == "grad"]
     # Lina's rule: no gradient chunk went on the wire while an all-to-all was queued or in flight.
     violations = sum(1 for g in low for a in high if a.t_submit <= g.t_issue < a.t_done)
-    shards = dm.program.annotations.get("shards", {})
+    shards = dm.program.runtime.shards
     replicated = {n: p.detach().clone() for n, p in dm.module.named_parameters() if n not in shards}
     return {"losses": losses, "replicated": replicated, "violations": violations, "high": len(high), "low": len(low)}
 

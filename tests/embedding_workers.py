@@ -56,7 +56,7 @@ def _steps_with_each_optimizer(dm, forward, recorded: str) -> dict:
     gradients and bytes by kind; the parameters after STEPS steps of each optimizer, from
     the same start. `forward(step)` returns (the value to record, the loss to backpropagate)."""
     start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
-    result = {"decisions": {k: v["strategy"] for k, v in dm.program.annotations["embedding_comm"].items()}, "placement": dm.placement}
+    result = {"decisions": {k: v["strategy"] for k, v in dm.program.decisions["split_embedding_comm"].items()}, "placement": dm.placement}
     for name, make in OPTIMIZERS.items():
         dm.load_state_dict(start)
         optimizer = make(dm.parameters())
@@ -89,7 +89,7 @@ def _through_the_backend(rank: int, world_size: int, rows: int, local: torch.Ten
     return {
         "output": out.detach(),
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        "decisions": {k: v["strategy"] for k, v in be.programs[0].annotations["embedding_comm"].items()},
+        "decisions": {k: v["strategy"] for k, v in be.programs[0].decisions["split_embedding_comm"].items()},
     }
 
 

@@ -67,7 +67,7 @@ def test_builtin_model_lifts_router_and_experts():
     program = assert_same_function("gpt-moe")
     targets = commfx_targets(program.gm)
     assert targets.count("topk_router") == 2 and targets.count("expert_ffn") == 2
-    assert program.annotations["kept_routers"] == [] and program.annotations["unmatched_moe"] == []
+    assert program.regions.kept_routers == [] and program.regions.unmatched_moe == []
     for node in program.graph.nodes:
         if getattr(node.target, "namespace", None) == "commfx":
             assert node.meta["commfx"]["pass"] == "lift"
@@ -84,13 +84,13 @@ def test_hf_families(family, router_lifted):
         model, (ids,) = load_model(f"hf:{family}")
         with pytest.warns(UserWarning, match=r"no recogniser matches them.*GptOssExperts"):
             program = compile_program(model, Plan.from_cli("lift", world_size=1), (ids,))
-        assert program.annotations["moe_blocks"] == []
+        assert program.regions.moe_blocks == []
         return
     program = assert_same_function(f"hf:{family}")
     targets = commfx_targets(program.gm)
     assert targets.count("expert_ffn") == 2
     assert (targets.count("topk_router") == 2) == router_lifted
-    assert bool(program.annotations["kept_routers"]) != router_lifted
+    assert bool(program.regions.kept_routers) != router_lifted
 
 
 def test_expert_parallel_on_one_rank_is_the_identity_function():

@@ -111,7 +111,7 @@ def test_plan_errors():
 def test_boundaries_carry_the_codec():
     model, inputs = load_model("gpt-moe")
     program = compile_program(model, Plan.from_cli("lift,pipeline_split,compress_pipeline:rank=4", world_size=2, pp=2), inputs)
-    pipeline = program.annotations["pipeline"]
+    pipeline = program.regions.pipeline
     assert str(pipeline.boundaries[0].codec) == "PowerSGD rank 4, lazy error propagation, epilogue sends only"
     assert "backward codec PowerSGD rank 4" in pipeline.describe()
 
@@ -187,7 +187,7 @@ def test_selective_stage_compression_plan_and_dump():
     with pytest.raises(PlanError, match="dp_rank must be at least 1, got 0"):
         check_plan(Plan.from_cli("lift,pipeline_split,compress_pipeline:dp_stages=1;dp_rank=0", world_size=4, pp=2), model)
     plan = Plan.from_cli("lift,pipeline_split,compress_pipeline:boundaries=none;dp_stages=1;dp_rank=2", world_size=4, pp=2)
-    pipeline = compile_program(model, plan, inputs).annotations["pipeline"]
+    pipeline = compile_program(model, plan, inputs).regions.pipeline
     assert [b.codec for b in pipeline.boundaries] == [None]
     assert [str(s.dp_codec) if s.dp_codec else None for s in pipeline.stages] == [
         "PowerSGD rank 2 data-parallel all-reduce, error feedback", None

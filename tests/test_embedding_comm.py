@@ -39,10 +39,10 @@ def _program(model, passes, inputs, world_size=2):
 def test_lift_spells_every_lookup_with_the_canonical_op():
     model, inputs = build()
     program = _program(model, "lift", inputs, world_size=1)
-    tables = {t["weight"]: t for t in program.annotations["embeddings"]}
+    tables = {t.weight: t for t in program.regions.embeddings}
     assert set(tables) == {"tok.weight", "pos.weight", "kind"}  # nn.Embedding twice, F.embedding once
-    assert tables["kind"]["padding_idx"] == 0 and tables["tok.weight"]["padding_idx"] == -1
-    assert not any(t["tied"] for t in tables.values())
+    assert tables["kind"].padding_idx == 0 and tables["tok.weight"].padding_idx == -1
+    assert not any(t.tied for t in tables.values())
     targets = [n.target for n in program.graph.nodes]
     assert targets.count(commfx.embedding.default) == 3 and F.embedding not in targets
     install_default(local_scheduler())
@@ -63,9 +63,9 @@ def test_lift_reports_a_table_tied_with_the_lm_head():
 
     ids = torch.randint(0, 16, (2, 3))
     program = _program(Tied(), "lift,split_embedding_comm", (ids,))
-    (table,) = program.annotations["embeddings"]
-    assert table["tied"] and table["tied_with"] == ["lm_head (linear)"]
-    decision = program.annotations["embedding_comm"]["embed.weight"]
+    (table,) = program.regions.embeddings
+    assert table.tied and table.tied_with == ["lm_head (linear)"]
+    decision = program.decisions["split_embedding_comm"]["embed.weight"]
     assert decision["strategy"] == "dense" and "tied with lm_head" in decision["reason"]
     with pytest.raises(PlanError, match="tied with lm_head.weight: a tied table's gradient is dense"):
         check_plan(Plan.from_cli("lift,split_embedding_comm:strategy=sparse;tables=embed", world_size=2), Tied())
@@ -82,9 +82,9 @@ def test_hf_tied_embeddings_are_dense_and_untied_ones_are_lifted():
 
     tied, inputs = load(f"{TESTS / 'model_files' / 'tied_embeddings.py'}:build")
     program = _program(tied, "lift,split_embedding_comm", inputs)
-    (table,) = program.annotations["embeddings"]
-    assert table["weight"] == "model.embed_tokens.weight" and table["tied"]
-    assert program.annotations["embedding_comm"]["model.embed_tokens.weight"]["strategy"] == "dense"
+    (table,) = program.regions.embeddings
+    assert table.weight == "model.embed_tokens.weight" and table.tied
+    assert program.decisions["split_embedding_comm"]["model.embed_tokens.weight"]["strategy"] == "dense"
     with pytest.raises(PlanError, match="tied with lm_head.weight"):
         check_plan(Plan.from_cli("lift,split_embedding_comm:strategy=sparse;tables=model.embed_tokens", world_size=2), tied)
 

@@ -130,7 +130,7 @@ def test_golden_locality_gate_graph():
     program = compile_program(model, plan, inputs)
     text = render(program.gm)
     check_golden({"distributed": text}, "gpt-moe-tiny.ep4.2x2.locality_gate", ("distributed",))
-    assert text.count("commfx.locality_topk(") == sum(1 for b in program.annotations["moe_blocks"])
+    assert text.count("commfx.locality_topk(") == sum(1 for b in program.regions.moe_blocks)
 
 
 @pytest.mark.parametrize(

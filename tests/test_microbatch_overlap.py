@@ -74,8 +74,8 @@ def test_golden_interleaved_graphs():
         ("lift,microbatch_overlap", "needs expert_parallel before it"),
         ("lift,expert_parallel,microbatch_overlap:n=1", "n must be >= 2 (micro-batches per rank), got 1"),
         ("lift,expert_parallel,microbatch_overlap:n=3,partition_a2a:k=2",
-         "must come after every pass that rewrites the graph, and partition_a2a follows it; move it to the end: "
-         "--passes lift,expert_parallel,partition_a2a:k=2,microbatch_overlap:n=3"),
+         "partition_a2a must come before microbatch_overlap (microbatch_overlap copies the graph per micro-batch, so it "
+         "comes last); for example --passes lift,expert_parallel,partition_a2a:k=2,microbatch_overlap:n=3"),
         ("lift,expert_parallel:capacity_factor=1.0,microbatch_overlap", "capacity is counted per micro-batch"),
         ("lift,pipeline_split,expert_parallel,microbatch_overlap", "does not work with pipeline_split yet"),
     ],
@@ -156,7 +156,7 @@ def test_partition_k_auto_sizes_chunks_for_one_micro_batch():
     chunks = {}
     for passes in ("lift,expert_parallel,partition_a2a", "lift,expert_parallel,partition_a2a,microbatch_overlap"):
         program = compile_program(model, Plan.from_cli(passes, world_size=2, **topology), inputs)  # one rank's 16 sequences
-        chunks[passes] = {block["chunks"] for block in program.annotations["moe_blocks"]}
+        chunks[passes] = {block.chunks for block in program.regions.moe_blocks}
     tokens = 16 * 64
     region = dict(hidden=128, expert_hidden=1024, top_k=2, num_experts=8, dtype_bytes=4, matrices=3)
     plan = Plan.from_cli("lift", world_size=2, **topology)

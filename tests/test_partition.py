@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import commfx.ops  # noqa: F401
 from commfx.api import compile_program
+from commfx.compiler.program import CommSchedule
 from commfx.passes.cost_model import (
     STEP_TIME, B, F, MoERegion, alpha, beta, choose_chunks, gamma, grad_chunk_bytes, k, phi, predicted_times, region_time,
 )
@@ -135,12 +136,12 @@ def test_auto_k_is_recorded_and_chunks_every_region():
     topology = dict(ranks_per_node=2, inter_node_bandwidth=13.7e6, inter_node_latency_s=1e-5, flops_per_s=2.5e8)
     plan = Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=4, **topology)
     program = compile_program(model, plan, inputs)
-    blocks = program.annotations["moe_blocks"]
-    assert len(blocks) == 2 and all(b["chunks"] > 1 for b in blocks)
+    blocks = program.regions.moe_blocks
+    assert len(blocks) == 2 and all(b.chunks > 1 for b in blocks)
     a2a = [n for n in program.graph.nodes if n.target is commfx.all_to_all.default]
-    assert len(a2a) == 2 * sum(b["chunks"] for b in blocks)
+    assert len(a2a) == 2 * sum(b.chunks for b in blocks)
     assert {n.args[4] for n in a2a} == {"a2a"}
-    assert program.annotations["comm_schedule"] == {"priority": True, "grad_chunk_bytes": grad_chunk_bytes(plan.topology)}
+    assert program.runtime.comm_schedule == CommSchedule(priority=True, grad_chunk_bytes=grad_chunk_bytes(plan.topology))
 
 
 def test_gradient_chunks_grow_with_latency_so_latency_stays_a_small_share():
@@ -162,15 +163,30 @@ def _distributed_program(passes="lift,expert_parallel"):
     return compile_program(model, plan, inputs), plan
 
 
-def test_partition_on_a_region_expert_parallel_did_not_make_says_where_to_run_it():
+def test_partition_on_a_block_without_an_exchange_says_what_to_run_first():
     from commfx.passes import PassError
     from commfx.passes.partition_a2a import PartitionA2A
 
     model, inputs = load_model("gpt-moe-tiny")
     plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=2)
     lifted = compile_program(model, plan, inputs, stop_after="lift")
-    with pytest.raises(PassError, match="run partition_a2a directly after expert_parallel"):
+    with pytest.raises(PassError, match="has no expert-parallel exchange to cut; run expert_parallel before it"):
         PartitionA2A().run(lifted, plan_options(plan, "partition_a2a"), plan)
+
+
+def test_partition_finds_its_exchange_after_other_passes_rewrote_the_graph():
+    """Passes between expert_parallel and partition_a2a (a new router, embedding exchanges)
+    leave the block's exchange where the region says: every block is still cut in k."""
+    model, inputs = load_model("gpt-moe-tiny")
+    plan = Plan.from_cli(
+        "lift,expert_parallel,locality_gate:gate=switch,split_embedding_comm:strategy=sparse,partition_a2a:k=2",
+        world_size=2, ranks_per_node=1,
+    )
+    program = compile_program(model, plan, inputs)
+    a2a = [n for n in program.graph.nodes if n.target is commfx.all_to_all.default]
+    blocks = program.regions.moe_blocks
+    assert blocks and [b.chunks for b in blocks] == [2] * len(blocks) and len(a2a) == 2 * 2 * len(blocks)
+    assert all(len(b.experts) == 2 and b.gate == "switch" for b in blocks)
 
 
 def test_auto_k_without_a_token_count_is_an_error():
@@ -178,7 +194,7 @@ def test_auto_k_without_a_token_count_is_an_error():
     from commfx.passes.partition_a2a import PartitionA2A
 
     program, _ = _distributed_program()
-    program.annotations.pop("tokens_per_rank")
+    program.tokens_per_rank = None
     plan = Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=2)
     with pytest.raises(PassError, match="k=auto needs the tokens per rank"):
         PartitionA2A().run(program, plan_options(plan, "partition_a2a"), plan)

@@ -57,7 +57,7 @@ def test_schedules_follow_gpipe_and_1f1b():
 
 def test_split_program_equals_the_model():
     model, inputs, program = split(num_layers=3)
-    pipeline = program.annotations["pipeline"]
+    pipeline = program.regions.pipeline
     assert [s.layers for s in pipeline.stages] == [[0, 1], [2]]
     assert pipeline.boundaries[0].names == ["h_4"] and pipeline.boundaries[0].tensors[0].requires_grad
     install_default(local_scheduler())
@@ -86,13 +86,13 @@ def test_tied_weight_is_held_by_both_ends():
 
     model, inputs = load(TIED, dtype=torch.float64)
     program = compile_program(model, Plan.from_cli("lift,pipeline_split", world_size=2, pp=2), inputs)
-    assert program.annotations["pipeline"].shared == {"embed.weight": [0, 1]}
+    assert program.regions.pipeline.shared == {"embed.weight": [0, 1]}
 
 
 def test_golden_stages_and_boundaries():
     model, inputs = load_model("gpt-moe")
     program = compile_program(model, Plan.from_cli("lift,pipeline_split", world_size=2, pp=2), inputs)
-    check_golden("gpt-moe.pp2.stages", render_pipeline(program.annotations["pipeline"]))
+    check_golden("gpt-moe.pp2.stages", render_pipeline(program.regions.pipeline))
 
 
 # ------------------------------------------------------------------------ errors, before any rank starts

@@ -105,11 +105,11 @@ def test_resize_and_migration_fractions_out_of_range_are_clear_errors():
 def test_every_tp_linear_becomes_resizable_and_the_graph_keeps_its_collectives():
     model, inputs = load_model("gpt-moe-tiny")
     program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=2, tp=2), inputs)
-    linears = program.annotations["tp_resize"]["linears"]
+    linears = program.runtime.tp_resize["linears"]
     assert linears == {"layers.0.attn.qkv.weight": {"kind": "column"}, "layers.0.attn.proj.weight": {"kind": "row"}}
     assert sum(1 for n in program.graph.nodes if n.target is commfx.tp_linear.default) == 2
     # what `commfx dump` prints about it: what moves, and the options SEMI decides with
-    [note] = [n for n in program.annotations["notes"] if n.startswith("resize_tp:")]
+    [note] = [n for n in program.notes if n.startswith("resize_tp:")]
     assert "whole units of 1 block(s) (layers.0.attn)" in note and "tolerance 0.05" in note and "min_fraction=0.25" in note
     lowered = lower(program, inputs)
     assert sum(1 for n in lowered.backward.graph.nodes if n.target is commfx.tp_linear_backward.default) == 2
@@ -263,7 +263,7 @@ def test_unit_functions_sum_over_all_units_to_the_block():
 
     model, ids = resize_workers.dense_tiny()
     program = compile_program(model, Plan.from_cli("lift,tensor_parallel", world_size=2, tp=2), (ids,))
-    units = program.annotations["tp_units"]
+    units = {block.path: block.unit_function for block in program.regions.tp_blocks if block.unit_function is not None}
     assert sorted(units) == ["layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]
     assert (units["layers.1.attn"]["unit"], units["layers.1.mlp"]["unit"]) == (1, 4)  # a head; 32 columns per rank in 8 blocks
     layer = model.layers[1]
@@ -299,7 +299,7 @@ def test_unit_functions_sum_over_all_units_to_the_block():
     program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=2, tp=2), (ids,))
     added = [n for n in program.graph.nodes if n.target is commfx.tp_units.default]
     assert len(added) == 4 and all(next(iter(n.users)).target is commfx.all_reduce.default for n in added)
-    assert program.annotations["tp_resize"]["options"]["migrate"] == "units"
+    assert program.runtime.tp_resize["options"]["migrate"] == "units"
 
 
 def test_unit_migration_plan_errors():
@@ -309,7 +309,7 @@ def test_unit_migration_plan_errors():
     with pytest.raises(PlanError, match=r"migrate=units needs the tp group to be the whole replica \(dp = pp = 1, got dp=2.*use migrate=columns"):
         compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp:migrate=units", world_size=4, tp=2), inputs)
     program = compile_program(model, Plan.from_cli("lift,tensor_parallel,resize_tp", world_size=4, tp=2), inputs)
-    assert program.annotations["tp_resize"]["options"]["migrate"] == "columns"  # auto under tp x dp
+    assert program.runtime.tp_resize["options"]["migrate"] == "columns"  # auto under tp x dp
 
 
 def test_semi_migrates_the_share_that_balances_affine_times():

@@ -27,7 +27,7 @@ def test_each_pass_is_credited_with_what_it_inserted():
     assert census["pack_experts"]["commfx.rank_dispatch"] == 1 and census["pack_experts"]["commfx.packed_expert_ffn"] == 1
     assert census["partition_a2a"]["commfx.all_to_all"] == 4 and census["partition_a2a"]["commfx.split_chunks"] == 1
     assert census["microbatch_overlap"]["tensor_split"] == 1
-    assert census["defer_grad_sync"] == {"gradient sync into the next forward": 1}
+    assert census["defer_grad_sync"] == {"gradient sync: next_forward": 1}
     assert not no_op_passes(census)
 
 

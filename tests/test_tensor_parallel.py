@@ -47,7 +47,7 @@ def test_layout_numbers_heads_of_a_fused_qkv():
 
 def test_builtin_attention_is_split_by_heads():
     program = _program("gpt-moe-tiny")
-    shards = program.annotations["shards"]
+    shards = program.runtime.shards
     assert shards["layers.0.attn.qkv.weight"]["layout"] == [3, 4, 4] and shards["layers.0.attn.qkv.weight"]["dim"] == 0
     assert shards["layers.0.attn.proj.weight"]["layout"] == [1, 4, 4] and shards["layers.0.attn.proj.weight"]["dim"] == 1
     views = [n for n in program.graph.nodes if n.op == "call_method" and n.target in ("view", "reshape")]
@@ -62,7 +62,7 @@ def test_builtin_attention_is_split_by_heads():
 
 def test_hf_llama_attention_and_mlp_are_split_and_norms_stay_whole():
     program = _program("hf:llama")
-    shards = program.annotations["shards"]
+    shards = program.runtime.shards
     for layer in (0, 1):
         prefix = f"model.layers.{layer}"
         assert shards[f"{prefix}.self_attn.q_proj.weight"]["layout"] == [1, 4, 8]
@@ -78,7 +78,7 @@ def test_hf_llama_attention_and_mlp_are_split_and_norms_stay_whole():
 def test_hf_llama_plan_names_every_linear_with_its_style_and_dump_prints_it():
     """The inferred plan, torchtitan style: each split linear's module path -> colwise / rowwise."""
     program = _program("hf:llama")
-    plan = program.annotations["tp_plan"]
+    plan = program.regions.tp_plan
     expected = {}
     for layer in (0, 1):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
@@ -90,7 +90,7 @@ def test_hf_llama_plan_names_every_linear_with_its_style_and_dump_prints_it():
     assert plan.tp == 2 and [b.path for b in plan.blocks] == [
         "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.1.self_attn", "model.layers.1.mlp"]
     # `commfx dump` prints the pass's note, then its plan one block a line
-    notes = [n for n in program.annotations["notes"] if n.startswith("tensor_parallel")]
+    notes = [n for n in program.notes if n.startswith("tensor_parallel")]
     assert notes[0] == "tensor_parallel splits 4 block(s) over tp=2, plan below"
     assert notes[1:] == [
         "tensor_parallel plan: model.layers.0.self_attn: q_proj,k_proj,v_proj colwise; o_proj rowwise (4 heads)",
@@ -133,9 +133,9 @@ def test_latent_attention_left_replicated_is_a_recorded_decision():
     split: the pass records it, warns, notes it for `commfx dump`, and strict refuses."""
     with pytest.warns(UserWarning, match=r"model.layers.0.self_attn: no single output linear"):
         program = _program("hf:deepseek_v3")
-    skipped = program.annotations["tp_skipped"]
+    skipped = program.regions.tp_skipped
     assert [s.split(":")[0] for s in skipped] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    note = next(n for n in program.annotations["notes"] if n.startswith("tensor_parallel"))
+    note = next(n for n in program.notes if n.startswith("tensor_parallel"))
     assert "splits 2 block(s)" in note and "leaves 2 replicated" in note
     with pytest.raises(PassError, match=r"cannot split these blocks: model.layers.0.self_attn: no single output linear"):
         _program("hf:deepseek_v3", passes="lift,tensor_parallel:strict=true")

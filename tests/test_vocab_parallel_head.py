@@ -35,9 +35,9 @@ commfx = torch.ops.commfx
 def test_lift_records_a_head_whose_logits_feed_only_the_loss():
     model, inputs = build_loss(4)
     program = _program(model, "lift", inputs)
-    (head,) = program.annotations["lm_heads"]
-    assert head["weight"] == "lm.head.weight" and (head["num_rows"], head["dim"]) == (VOCAB, 8)
-    assert head["ignore_index"] == -100 and head["reduction"] == "mean"
+    (head,) = program.regions.lm_heads
+    assert head.weight == "lm.head.weight" and (head.num_rows, head.dim) == (VOCAB, 8)
+    assert head.ignore_index == -100 and head.reduction == "mean"
     assert commfx.vocab_parallel_loss.default not in [n.target for n in program.graph.nodes]  # lift only records
 
 
@@ -74,10 +74,10 @@ class TiedLoss(torch.nn.Module):
 def test_lift_keeps_heads_that_cannot_be_split_and_says_why(model, reason):
     ids = torch.randint(0, 16, (4, 6))
     program = _program(model, "lift", (ids, ids))
-    assert program.annotations["lm_heads"] == []
-    (kept,) = program.annotations["kept_heads"]
+    assert program.regions.lm_heads == []
+    (kept,) = program.regions.kept_heads
     assert reason in kept
-    dumped = _program(model, "lift,split_embedding_comm", (ids, ids)).annotations["notes"]  # what commfx dump prints first
+    dumped = _program(model, "lift,split_embedding_comm", (ids, ids)).notes  # what commfx dump prints first
     assert any("LM head stays dense" in note and reason in note for note in dumped), dumped
     with pytest.raises(PassError, match="head=shard: the graph has no LM head to split.*" + reason.split(" (")[0]):
         _program(model, "lift,split_embedding_comm:head=shard", (ids, ids))

@@ -4,6 +4,7 @@ with a plan in one process: `commfx.compile_program`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 
 import torch
@@ -75,7 +76,7 @@ def distribute(
     tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
     _check_same_graph(scheduler, program)
-    if "pipeline" in program.annotations:
+    if program.regions.pipeline is not None:
         return _pipeline_module(program, plan, scheduler, groups["ep"].rank)
     placement = shard_parameters(program, {name: handle.rank for name, handle in groups.items() if "/" not in name})
     recapture = _recapture_for(model, program, plan, scheduler, tokens)
@@ -96,7 +97,7 @@ def _recapture_for(model: torch.nn.Module, program: Program, plan: Plan, schedul
     avoid; the program's `modules` now point into the skeleton too, for the same reason.
     The new program's graph module then takes this module's own parameters (expert shards
     included) by name, so an optimizer over `dm.parameters()` trains every program."""
-    shards = program.annotations.get("shards", {})
+    shards = program.runtime.shards
     try:
         skeleton = _skeleton(model, shards)
     except Exception as error:  # a model deepcopy cannot copy (a lock, a process group, ...)
@@ -112,7 +113,7 @@ def _recapture_for(model: torch.nn.Module, program: Program, plan: Plan, schedul
             args, kwargs = tuple(stand_in_row(t) for t in args), {k: stand_in_row(t) for k, t in kwargs.items()}
         new = compile_program(skeleton, plan, args, kwargs, tokens_per_rank=tokens)  # tokens: the choices distribute made
         _check_same_graph(scheduler, new)
-        if "pipeline" in new.annotations:
+        if new.regions.pipeline is not None:
             raise PlanError("re-capture for new inputs is not supported with pipeline_split yet")
         _share_parameters(new, program)
         return new
@@ -137,7 +138,7 @@ def _skeleton(model: torch.nn.Module, shards: dict) -> torch.nn.Module:
 
 def _share_parameters(new: Program, first: Program) -> None:
     """Give `new`'s graph module `first`'s parameter and buffer objects, by qualified name."""
-    before, after = first.annotations.get("shards", {}), new.annotations.get("shards", {})
+    before, after = first.runtime.shards, new.runtime.shards
     if before != after:
         differ = sorted(n for n in {*before, *after} if before.get(n) != after.get(n))
         raise PlanError(
@@ -165,11 +166,9 @@ def _share_parameters(new: Program, first: Program) -> None:
 def _pipeline_module(program: Program, plan: Plan, scheduler: CommScheduler, ep_rank: int) -> PipelineModule:
     """This rank's stage, with its own expert shards (expert parallelism inside the stage)."""
     stage_index = plan.topology.coordinates(scheduler.rank)[0]
-    stage = program.annotations["pipeline"].stages[stage_index]
-    view = copy.copy(program)
-    view.gm = stage.gm
-    shards = program.annotations.get("shards", {})
-    view.annotations = {**program.annotations, "shards": {t: spec for t, spec in shards.items() if t in stage.parameters}}
+    stage = program.regions.pipeline.stages[stage_index]
+    shards = {t: spec for t, spec in program.runtime.shards.items() if t in stage.parameters}
+    view = dataclasses.replace(program, gm=stage.gm, runtime=dataclasses.replace(program.runtime, shards=shards))
     placement = shard_parameters(view, ep_rank)
     return PipelineModule(program, plan, scheduler, placement, compile_training)
 
@@ -186,7 +185,8 @@ def stand_in_row(t: torch.Tensor) -> torch.Tensor:
 def _check_same_graph(scheduler: CommScheduler, program: Program) -> None:
     """Every rank must issue the same collectives in the same order, or they mismatch and
     hang. Graphs may differ in shapes (a batch of 1 specialises), not in this skeleton."""
-    graphs = [s.gm for s in program.annotations["pipeline"].stages] if "pipeline" in program.annotations else [program.gm]
+    pipeline = program.regions.pipeline
+    graphs = [s.gm for s in pipeline.stages] if pipeline is not None else [program.gm]
     texts = scheduler.all_gather_object("\n".join(collective_skeleton(gm) for gm in graphs))
     if len(set(texts)) > 1:
         other = next(i for i, t in enumerate(texts) if t != texts[0])

@@ -81,8 +81,8 @@ class CommfxBackend:
             # The first graph is compiled by every rank together (SPMD); later ones (recompiles
             # for new shapes, maybe on one rank only) reuse its figure and run no collective.
             self._agreed_tokens = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
-        program.annotations["tokens_per_rank"] = self._agreed_tokens
-        run_passes(program, self.plan, where_applicable=True)
+        program.tokens_per_rank = self._agreed_tokens
+        program = run_passes(program, self.plan, where_applicable=True)
         lowering, bound = _tensors_as_inputs(program.gm, bound)
         # The user's parameters are full-size (experts sliced in-graph), so every gradient,
         # expert rows included, is summed over the world.

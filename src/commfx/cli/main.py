@@ -84,12 +84,12 @@ def cmd_dump(args) -> int:
     else:
         gm = program.gm
     text = render(gm, args.format)
-    if args.stage == "distributed" and "pipeline" in program.annotations:
+    if args.stage == "distributed" and program.regions.pipeline is not None:
         from ..compiler.render import render_pipeline
 
-        text = render_pipeline(program.annotations["pipeline"], args.format)
-    if args.format == "code" and program.annotations.get("notes"):  # what passes chose, and why
-        text = "".join(f"# {note}\n" for note in program.annotations["notes"]) + text
+        text = render_pipeline(program.regions.pipeline, args.format)
+    if args.format == "code" and program.notes:  # what passes chose, and why
+        text = "".join(f"# {note}\n" for note in program.notes) + text
     _write(text, args.output, f"{args.stage} graph ({len(gm.graph.nodes)} nodes)")
     return 0
 

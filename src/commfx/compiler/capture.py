@@ -105,7 +105,7 @@ def capture(model: torch.nn.Module, example_inputs, example_kwargs: dict | None 
         gm=gm,
         modules=dict(model.named_modules()),
         out_spec=out_spec,
-        annotations={"tokens_per_rank": tokens_of((*args, *kwargs.values()))},
+        tokens_per_rank=tokens_of((*args, *kwargs.values())),
         input_names=[given.get(id(example[i])) or _input_name(placeholders[i], signature) for i in positions],
         signature=signature,
     )

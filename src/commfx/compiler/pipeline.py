@@ -37,5 +37,5 @@ def compile_program(
     check_plan(plan, model)
     program = capture(model, example_inputs, example_kwargs)
     if tokens_per_rank is not None:
-        program.annotations["tokens_per_rank"] = tokens_per_rank
+        program.tokens_per_rank = tokens_per_rank
     return run_passes(program, plan, stop_after=stop_after, observe=observe)

@@ -31,7 +31,7 @@ def render_pipeline(pipeline, fmt: str = "code") -> str:
 
 def render_program(program, fmt: str = "code") -> str:
     """A program as `commfx dump` shows it: its graph, or its stages once pipeline_split ran."""
-    pipeline = program.annotations.get("pipeline")
+    pipeline = program.regions.pipeline
     return render_pipeline(pipeline, fmt) if pipeline is not None else render(program.gm, fmt)
 
 

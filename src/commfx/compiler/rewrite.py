@@ -4,8 +4,9 @@ A pass binds a `Rewriter` to its program (or to a graph it builds) and its name.
 node it makes goes through `call`: inserted at the graph's insertion point, given the
 module stack of the node it stands in for (`like`, plus any fake values the pass asks to
 `keep`), and stamped with the pass and its purpose, so dumps show provenance. `replace`
-and `erase_dead` retire what the new nodes replace; `finish` recompiles once and writes
-the history record. Rules kept as data (tinygrad's PatternMatcher in miniature): a
+and `erase_dead` retire what the new nodes replace, and the program's regions follow a
+replaced (or copied) node to its replacement; `finish` recompiles once and writes the
+history record. Rules kept as data (tinygrad's PatternMatcher in miniature): a
 `Pattern` matches a node by op, target(s), arguments and a predicate, and names what it
 captures; `Rewriter.rewrite(rules)` runs (pattern, builder) pairs over the graph and
 counts matches and rewrites.
@@ -92,6 +93,7 @@ class Rewriter:
         self.made: list[fx.Node] = []
         self.erased = 0
         self.stats: dict[str, RuleStats] = {}
+        self.moved: dict[fx.Node, fx.Node] = {}  # node -> what stands for it now (regions follow)
 
     # -------------------------------------------------------------------- building
 
@@ -122,11 +124,23 @@ class Rewriter:
         """A `call_method` node (`x.detach()`, `x.reshape(...)`), as `call` builds it."""
         return self.call(name, args, op="call_method", **options)
 
-    def copy(self, node: fx.Node, args: tuple, kwargs: dict, *, name: str | None = None, drop_meta: tuple[str, ...] = ()) -> fx.Node:
-        """A copy of `node` (op, target, type) on new arguments, with its meta less `drop_meta`."""
+    def copy(
+        self, node: fx.Node, args: tuple, kwargs: dict, *, name: str | None = None, drop_meta: tuple[str, ...] = (),
+        stands_for: bool = False,
+    ) -> fx.Node:
+        """A copy of `node` (op, target, type) on new arguments, with its meta less `drop_meta`.
+        `stands_for`: the copy takes node's place in the program's regions."""
         new = self.call(node.target, args, kwargs, op=node.op, name=name, type_expr=node.type, like=None)
         new.meta = {k: v for k, v in node.meta.items() if k not in drop_meta}
+        if stands_for:
+            self.follow(node, new)
         return new
+
+    def follow(self, old: fx.Node, new: fx.Node) -> None:
+        """Regions that hold `old` hold `new` from now on (on a fresh graph: once installed)."""
+        self.moved[old] = new
+        if self.program is not None and self.graph is self.program.graph:
+            self.program.regions.remap({old: new})
 
     def before(self, node: fx.Node):
         return self.graph.inserting_before(node)
@@ -137,8 +151,10 @@ class Rewriter:
     # ------------------------------------------------------------------- retiring
 
     def replace(self, old: fx.Node, new: fx.Node, *, erase: bool = True) -> fx.Node:
-        """Every use of `old` now uses `new`; `old` is erased (unless `erase=False`)."""
+        """Every use of `old` now uses `new`, in the graph and in the program's regions;
+        `old` is erased (unless `erase=False`)."""
         old.replace_all_uses_with(new)
+        self.follow(old, new)
         if erase:
             self.erase(old)
         return new
@@ -192,7 +208,7 @@ class Rewriter:
                     new = builder(self, node, **captures)
                 if new is not None and new is not node:
                     counts.rewritten += 1
-                    node.replace_all_uses_with(new)
+                    self.replace(node, new, erase=False)
                     self.erase_dead(reversed(matched))
                 break
         return self.stats
@@ -205,6 +221,7 @@ class Rewriter:
             return
         if self.graph is not self.program.graph:
             self.program.gm.graph = self.graph
+            self.program.regions.remap(self.moved)
         self.program.gm.recompile()
         rules = "".join(f"; {name}: {s.matched} matched, {s.rewritten} rewritten" for name, s in self.stats.items())
         self.program.history.append(f"{self.pass_name}: {len(self.made)} nodes made, {self.erased} erased{rules}")

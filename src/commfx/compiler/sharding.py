@@ -1,6 +1,6 @@
 """Materialise one rank's parameter shards in a rewritten graph module.
 
-Passes record which parameters they shard (`program.annotations["shards"]`: dim, parts, the
+Passes record which parameters they shard (`program.runtime.shards`: dim, parts, the
 group whose rank picks the part, and the group they are replicated over); this cuts this
 rank's slice out of each, so memory is really sharded before the runtime ever sees the
 module.
@@ -27,7 +27,7 @@ def shard_parameters(program: Program, ranks: dict[str, int] | int) -> dict[str,
     `ranks`: this rank's index in each group that shards parameters ({"ep": 1, "tp": 0}); an
     int is the ep index (every group the same index: the single-process `lower`)."""
     placement = {}
-    for target, spec in program.annotations.get("shards", {}).items():
+    for target, spec in program.runtime.shards.items():
         owner_path, _, leaf = target.rpartition(".")
         owner = program.gm.get_submodule(owner_path) if owner_path else program.gm
         full = getattr(owner, leaf)

@@ -1,8 +1,10 @@
 """Pass, the pass registry, the pass manager and the verifier that runs after every pass.
 
-A pass is a small class: a name, an options dataclass, the graph facts it requires and
-ensures, a docstring that states its idea in two lines and cites its paper, and
-`run(program, options, plan) -> bool` (whether it changed the graph).
+A pass is a small class: a name, an options dataclass, the graph facts it requires,
+ensures and refuses, a docstring that states its idea in two lines and cites its paper,
+and `run(program, options, plan) -> bool` (whether it changed the graph). Facts are the
+one declaration of pass order: a plan is valid when every pass finds the facts it
+requires, and none it refuses, established by the passes before it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ class PassError(RuntimeError):
     """A pass cannot apply to this graph (the message says why and what to do)."""
 
 
+INTERLEAVED = "micro-batches interleaved"
+
+
 class Pass:
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()  # graph facts that must hold before
     ensures: ClassVar[tuple[str, ...]] = ()  # graph facts that hold after
-    requires_passes: ClassVar[tuple[str, ...]] = ()  # passes that must come earlier in a plan
+    # facts under which this pass cannot run -> why. A graph cut into micro-batches holds
+    # each region once per micro-batch, which a pass written for one copy would half rewrite.
+    refuses: ClassVar[dict[str, str]] = {INTERLEAVED: "microbatch_overlap copies the graph per micro-batch, so it comes last"}
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -38,6 +45,21 @@ class Pass:
 
     def run(self, program: Program, options: Any, plan: Plan) -> bool:
         raise NotImplementedError
+
+    @classmethod
+    def ensured(cls, options: Any) -> tuple[str, ...]:
+        """The facts this pass establishes with these options (an option can add one)."""
+        return cls.ensures
+
+    @classmethod
+    def micro_batches(cls, options: Any) -> int:
+        """How many pieces the pass cuts each rank's batch into (cost models size by it)."""
+        return 1
+
+    @classmethod
+    def capacity_factor(cls, options: Any) -> float:
+        """The expert capacity factor the pass routes with (0: dropless, or not routing)."""
+        return 0.0
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -73,7 +95,7 @@ REGISTRY: dict[str, type[Pass]] = {}
 
 def graphs_of(program: Program) -> list[torch.fx.GraphModule]:
     """The program's graph, and each pipeline stage's once it is split."""
-    pipeline = program.annotations.get("pipeline")
+    pipeline = program.regions.pipeline
     return [program.gm, *(stage.gm for stage in pipeline.stages)] if pipeline is not None else [program.gm]
 
 
@@ -89,7 +111,7 @@ def _op_name(node: torch.fx.Node) -> str:
 def rewrite_census(program: Program, plan: Plan) -> dict[str, dict[str, int]]:
     """Each pass of `plan` -> what it left in the graph right after it ran (Pass.evidence),
     {} for a pass that did nothing or did not run."""
-    recorded = program.annotations.get("rewrites", {})
+    recorded = program.rewrites
     return {spec.name: dict(recorded.get(spec.name, {})) for spec in plan.passes}
 
 
@@ -143,25 +165,65 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
                 f"and passes by ',': --passes \"{_options_joined(plan.passes)}\""
             )
     seen: list[str] = []
+    facts: dict[str, str] = {}  # fact -> the pass of the plan that established it
     for spec in plan.passes:
         pass_cls = get_pass(spec.name)
         if spec.name in seen:
             raise PlanError(f"pass {spec.name!r} appears twice in the plan; list it once")
-        missing = [r for r in _with_prerequisites(pass_cls.requires_passes) if r not in seen]
+        missing = [r for r in _with_prerequisites(pass_cls.requires) if r not in seen]
         if missing:
             later = [r for r in missing if r in plan.pass_names()]
             where = f" (the list has {', '.join(later)} after it)" if later else ""
             raise PlanError(
                 f"pass {spec.name!r} needs {', '.join(missing)} before it{where}; for example --passes {_in_order(plan.passes)}"
             )
+        options = build_options(pass_cls, spec.options)
+        _check_refusals(plan, spec.name, pass_cls, options, facts)
         seen.append(spec.name)
-        pass_cls.check_plan(plan, build_options(pass_cls, spec.options), model)
+        facts.update((fact, spec.name) for fact in pass_cls.ensured(options))
+        pass_cls.check_plan(plan, options, model)
     if plan.topology.pp > 1 and "pipeline_split" not in plan.pass_names():
         raise PlanError(
             f"pipeline-parallel size {plan.topology.pp} needs the pipeline_split pass (without it every rank would run "
             f"the whole model), e.g. --passes {_in_order((PassSpec('lift'), *[s for s in plan.passes if s.name != 'lift'], PassSpec('pipeline_split')))}"
         )
     return plan
+
+
+def _check_refusals(plan: Plan, name: str, pass_cls: type[Pass], options: Any, facts: dict[str, str]) -> None:
+    """Refuse `name` where an earlier pass established a fact it refuses: it must come
+    before that pass, or, where it cannot (it needs that pass, or that pass refuses what
+    `name` establishes), the two do not combine."""
+    for fact, why in pass_cls.refuses.items():
+        if fact not in facts:
+            continue
+        earlier = facts[fact]
+        mutual = set(pass_cls.ensured(options)) & set(get_pass(earlier).refuses)
+        if mutual and fact == INTERLEAVED:  # the earlier pass has the specific reason
+            name, earlier, why = earlier, name, get_pass(earlier).refuses[next(iter(mutual))]
+        if mutual or earlier in _with_prerequisites(pass_cls.requires):
+            raise PlanError(f"{name} does not work with {written(plan.spec_for(earlier))} yet: {why}" + ("; drop one of them" if mutual else ""))
+        names = [s.name for s in plan.passes if s.name != name]
+        names.insert(names.index(earlier), name)
+        fixed = ",".join(written(plan.spec_for(n)) for n in names)
+        raise PlanError(f"{name} must come before {earlier} ({why}); for example --passes {fixed}")
+
+
+def plan_micro_batches(plan: Plan) -> int:
+    """How many micro-batches the plan's passes cut each rank's batch into."""
+    count = 1
+    for pass_cls, options in _declared(plan):
+        count *= pass_cls.micro_batches(options)
+    return count
+
+
+def plan_capacity_factor(plan: Plan) -> float:
+    """The expert capacity factor the plan routes with (0: dropless)."""
+    return max((pass_cls.capacity_factor(options) for pass_cls, options in _declared(plan)), default=0.0)
+
+
+def _declared(plan: Plan):
+    return [(get_pass(spec.name), build_options(get_pass(spec.name), spec.options)) for spec in plan.passes]
 
 
 def written(spec: PassSpec) -> str:
@@ -186,20 +248,29 @@ def _in_order(specs: tuple[PassSpec, ...]) -> str:
     by_name = {spec.name: spec for spec in specs}
     ordered: list[str] = []
     for spec in specs:
-        for name in _with_prerequisites(get_pass(spec.name).requires_passes) + [spec.name]:
+        for name in _with_prerequisites(get_pass(spec.name).requires) + [spec.name]:
             if name not in ordered:
                 ordered.append(name)
     return ",".join(written(by_name.get(name, PassSpec(name))) for name in ordered)
 
 
-def _with_prerequisites(names: tuple[str, ...]) -> list[str]:
-    """`names` and what they need in turn, in the order a plan lists them."""
+def _with_prerequisites(facts: tuple[str, ...]) -> list[str]:
+    """The passes that establish `facts`, and what they need in turn, in plan order."""
     ordered: list[str] = []
-    for name in names:
-        for needed in _with_prerequisites(get_pass(name).requires_passes) + [name]:
+    for fact in facts:
+        name = _provider(fact)
+        for needed in _with_prerequisites(get_pass(name).requires) + [name]:
             if needed not in ordered:
                 ordered.append(needed)
     return ordered
+
+
+def _provider(fact: str) -> str:
+    """The registered pass that establishes `fact`."""
+    providers = [name for name, cls in REGISTRY.items() if fact in cls.ensures]
+    if not providers:
+        raise PlanError(f"no registered pass establishes the fact {fact!r}")
+    return providers[0]
 
 
 def plan_options(plan: Plan, name: str):
@@ -248,7 +319,8 @@ def run_passes(
     where_applicable: bool = False,
     observe: PassObserver | None = None,
 ) -> Program:
-    """Run the plan's passes in order, verifying the graph after each one.
+    """Run the plan's passes in order, each on its own derived copy of the program (its
+    `parent` the program before it), verifying the graph after each one; returns the last.
 
     `where_applicable`: skip a pass whose `applies(program)` is false (the compile backend,
     which sees graph fragments), recording it in the history; otherwise every pass runs and
@@ -269,10 +341,11 @@ def run_passes(
         options = plan_options(plan, spec.name)
         if observe is not None:
             observe("before", spec.name, program)
+        program = program.derive()
         changed = pass_cls().run(program, options, plan)
-        program.facts.update(pass_cls.ensures)
+        program.facts.update(pass_cls.ensured(options))
         program.history.append(f"{spec.name}: {'changed' if changed else 'no change'}")
-        program.annotations.setdefault("rewrites", {})[spec.name] = pass_cls.evidence(program, options)
+        program.rewrites[spec.name] = pass_cls.evidence(program, options)
         verify_graph(program, plan)
         if observe is not None:
             observe("after", spec.name, program)

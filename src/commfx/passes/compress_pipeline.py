@@ -16,7 +16,7 @@ from ..compiler.program import Program
 from ..ops.compress import LowRankCodec
 from ..ops.powersgd_allreduce import DataParallelPowerSGD
 from ..plan import Plan, PlanError
-from .base import Pass, PassError, register
+from .base import Pass, register
 
 PASS = "compress_pipeline"
 
@@ -31,7 +31,6 @@ class CompressPipeline(Pass):
 
     name = PASS
     requires = ("pipeline split",)
-    requires_passes = ("pipeline_split",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -65,7 +64,7 @@ class CompressPipeline(Pass):
 
     @classmethod
     def evidence(cls, program: Program, options: Options) -> dict[str, int]:
-        pipeline = program.annotations.get("pipeline")
+        pipeline = program.regions.pipeline
         if pipeline is None:
             return {}
         found = {
@@ -75,16 +74,16 @@ class CompressPipeline(Pass):
         return {what: n for what, n in found.items() if n}
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        pipeline = program.annotations.get("pipeline")
-        if pipeline is None:
-            raise PassError("compress_pipeline needs a split program; put pipeline_split before it")
+        pipeline = program.regions.pipeline
         codec = LowRankCodec(options.rank, options.error_feedback, options.epilogue_only)
-        for boundary in pipeline.boundaries:
-            if boundary.index in _chosen(options.boundaries, len(pipeline.boundaries)):
-                boundary.codec = codec
-        pipeline.fuse_shared_sync = options.fuse_embedding_sync
-        for stage in pipeline.stages[: options.dp_stages]:
-            stage.dp_codec = DataParallelPowerSGD(options.dp_rank, options.error_feedback)
+        chosen = _chosen(options.boundaries, len(pipeline.boundaries))
+        program.regions.pipeline = dataclasses.replace(  # the stages and boundaries of the program before stay as they were
+            pipeline,
+            boundaries=[dataclasses.replace(b, codec=codec) if b.index in chosen else b for b in pipeline.boundaries],
+            stages=[dataclasses.replace(s, dp_codec=DataParallelPowerSGD(options.dp_rank, options.error_feedback))
+                    if s.index < options.dp_stages else s for s in pipeline.stages],
+            fuse_shared_sync=options.fuse_embedding_sync,
+        )
         return True
 
 

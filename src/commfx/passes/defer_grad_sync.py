@@ -34,6 +34,7 @@ class DeferGradSync(Pass):
     """Gradient all-reduce overlaps the next forward; each parameter updated at its first use."""
 
     name = PASS
+    refuses = {}  # it changes no node: it may follow microbatch_overlap
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -54,14 +55,12 @@ class DeferGradSync(Pass):
 
     @classmethod
     def evidence(cls, program: Program, options: Options) -> dict[str, int]:
-        if not options.enabled:
-            return {"gradient sync in backward (enabled=false)": 1}
-        return {"gradient sync into the next forward": 1} if program.annotations.get("grad_sync") == "next_forward" else {}
+        return {f"gradient sync: {program.runtime.grad_sync}": 1}
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        program.annotations["grad_sync"] = "next_forward" if options.enabled else "backward"
+        program.runtime.grad_sync = "next_forward" if options.enabled else "backward"
         if options.enabled:
-            program.annotations.setdefault("notes", []).append(
+            program.notes.append(
                 f"{PASS}: the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is "
                 "called; each parameter is stepped just before its first use there"
             )

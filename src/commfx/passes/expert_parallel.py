@@ -9,7 +9,7 @@ Dispatch sorts rows by global expert id; experts [r*E/ep, (r+1)*E/ep) live on ep
 rows are already grouped by destination rank. Dropless mode sends uneven splits; capacity
 mode pads every expert to the same capacity (see `ops.moe.moe_dispatch` for the drop
 policy). Non-expert parameters stay replicated (data parallel); the runtime shards the
-expert weights as the `shards` annotation says, so the graph is the same on every rank.
+expert weights as `program.runtime.shards` says, so the graph is the same on every rank.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..plan import Plan, PlanError
 from ..compiler.program import Program, stamp
+from ..compiler.regions import ExpertExchange, MoEBlock
 from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, register
 from .lift import find_experts_modules
@@ -39,12 +40,19 @@ class ExpertParallel(Pass):
     name = PASS
     requires = ("moe lifted",)
     ensures = ("expert parallel",)
-    requires_passes = ("lift",)
 
     @classmethod
     def applies(cls, program: Program) -> bool:
         # A graph with MoE-looking modules no recogniser matched is not skipped: run() names them.
-        return bool(program.annotations.get("moe_blocks") or program.annotations.get("unmatched_moe"))
+        return bool(program.regions.moe_blocks or program.regions.unmatched_moe)
+
+    @classmethod
+    def capacity_factor(cls, options) -> float:
+        return options.capacity_factor
+
+    @classmethod
+    def ensured(cls, options) -> tuple[str, ...]:
+        return cls.ensures + (("capacity routing",) if options.capacity_factor > 0 else ())
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -79,33 +87,32 @@ class ExpertParallel(Pass):
                 )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        blocks = program.annotations.get("moe_blocks") or []
+        blocks = program.regions.moe_blocks
         if not blocks:
-            unmatched = program.annotations.get("unmatched_moe") or []
+            unmatched = program.regions.unmatched_moe
             raise PassError(
                 "expert_parallel found no lifted MoE block in the graph"
                 + (f" (unrecognised MoE-like modules: {', '.join(unmatched)})" if unmatched else "")
             )
         ep = plan.topology.expert_parallel_size
         rw = Rewriter(program, PASS)
-        shards = program.annotations.setdefault("shards", {})
         for block in blocks:
-            if block["num_experts"] % ep:
-                raise PassError(f"{block['path']}: {block['num_experts']} experts do not divide over ep={ep}")
-            _distribute_block(rw, program, block, ep, options.capacity_factor)
+            if block.num_experts % ep:
+                raise PassError(f"{block.path}: {block.num_experts} experts do not divide over ep={ep}")
+            _distribute_block(rw, block, ep, options.capacity_factor)
             if options.shard_in_graph:
-                _slice_weights_in_graph(rw, program.node(block["expert_ffn"]), ep)
+                _slice_weights_in_graph(rw, block.experts[0], ep)
                 continue
-            for target in (block["gate_up"], block["down"]):
-                shards[target] = {"dim": 0, "group": "ep", "parts": ep, "replicated_over": "edp"}
+            for target in (block.gate_up, block.down):
+                program.runtime.shards[target] = {"dim": 0, "group": "ep", "parts": ep, "replicated_over": "edp"}
         rw.finish()
         return True
 
 
 def set_capacity(program: Program, capacity_factor: float) -> None:
     """Switch every lifted dispatch to capacity mode (also used for the 1-rank reference)."""
-    for block in program.annotations.get("moe_blocks", []):
-        dispatch = program.node(block["dispatch"])
+    for block in program.regions.moe_blocks:
+        dispatch = block.dispatch
         dispatch.args = (*dispatch.args[:3], float(capacity_factor))
     program.gm.recompile()
 
@@ -121,11 +128,11 @@ def _slice_weights_in_graph(rw: Rewriter, ffn: fx.Node, ep: int) -> None:
     ffn.args = (rows, counts, *local, activation)
 
 
-def _distribute_block(rw: Rewriter, program: Program, block: dict, ep: int, capacity_factor: float) -> None:
-    dispatch, ffn, combine = (program.node(block[key]) for key in ("dispatch", "expert_ffn", "combine"))
+def _distribute_block(rw: Rewriter, block: MoEBlock, ep: int, capacity_factor: float) -> None:
+    dispatch, (ffn,), combine = block.dispatch, block.experts, block.combine
     dispatch.args = (*dispatch.args[:3], float(capacity_factor))
     rows, counts, gate_up, down, activation = ffn.args
-    local_experts = block["num_experts"] // ep
+    local_experts = block.num_experts // ep
 
     def make(target, args, purpose):
         return rw.call(target, args, purpose=purpose, like=ffn)
@@ -142,4 +149,5 @@ def _distribute_block(rw: Rewriter, program: Program, block: dict, ep: int, capa
     with rw.after(back):
         returned = make(commfx.all_to_all.default, (back, recv_counts, send_counts, "ep"), "combine all-to-all")
     combine.replace_input_with(ffn, returned)
-    stamp(ffn, PASS, f"local experts ({local_experts} of {block['num_experts']})")
+    stamp(ffn, PASS, f"local experts ({local_experts} of {block.num_experts})")
+    block.exchange = ExpertExchange(rows, counts, send_counts, recv_counts, received, local_rows, local_counts, back, returned)

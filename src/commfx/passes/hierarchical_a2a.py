@@ -31,7 +31,6 @@ class HierarchicalA2A(Pass):
 
     name = PASS
     requires = ("expert parallel",)
-    requires_passes = ("expert_parallel",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -39,7 +38,7 @@ class HierarchicalA2A(Pass):
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("moe_blocks"))
+        return bool(program.regions.moe_blocks)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -54,10 +53,8 @@ class HierarchicalA2A(Pass):
 
     @classmethod
     def evidence(cls, program: Program, options: Options) -> dict[str, int]:
-        if not options.enabled:
-            return {"flat all-to-all (enabled=false)": 1}
-        return {"hierarchical all-to-all": 1} if program.annotations.get("a2a_algorithm") == "hierarchical" else {}
+        return {f"{program.runtime.a2a_algorithm} all-to-all": 1}
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        program.annotations["a2a_algorithm"] = "hierarchical" if options.enabled else "flat"
+        program.runtime.a2a_algorithm = "hierarchical" if options.enabled else "flat"
         return False

@@ -23,6 +23,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..plan import Plan
 from ..compiler.program import Program, module_paths
+from ..compiler.regions import MoEBlock
 from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, register
 from .lift_embeddings import lift_embeddings
@@ -128,16 +129,15 @@ class Lift(Pass):
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         rw = Rewriter(program, "lift")
-        regions = _regions(program.graph)
         blocks, unmatched, candidates = [], [], []
-        for path, (cls, nodes) in regions.items():
+        for path, (cls, nodes) in _regions(program.graph).items():
             module = program.module_at(path)
             pattern = next((p for p in EXPERTS_PATTERNS if p.matches(cls, module)), None)
             if pattern is not None:
                 blocks.append(_lift_experts(rw, path, nodes, pattern, module))
             elif looks_like_moe(cls) and _uses_3d_weight(nodes):
                 candidates.append((path, cls, nodes))
-        lifted_weights = {b[key] for b in blocks for key in ("gate_up", "down")}
+        lifted_weights = {w for b in blocks for w in (b.gate_up, b.down)}
         for path, cls, nodes in candidates:
             if any(n.op == "get_attr" and n.target not in lifted_weights and _is_3d(n) for n in nodes):
                 unmatched.append(f"{path} ({cls.__name__})")
@@ -145,7 +145,7 @@ class Lift(Pass):
         if options.lift_routers:
             for block in blocks:
                 if not _lift_router(rw, block):
-                    kept_routers.append(block["router"] or block["path"])
+                    kept_routers.append(block.router or block.path)
         if unmatched:
             warnings.warn(
                 "lift: these modules look like MoE experts but no recogniser matches them, so they stay "
@@ -153,14 +153,12 @@ class Lift(Pass):
                 "Add an entry to commfx.passes.lift.EXPERTS_PATTERNS for their layout.",
                 stacklevel=2,
             )
-        program.annotations["moe_blocks"] = blocks
-        program.annotations["unmatched_moe"] = unmatched
-        program.annotations["kept_routers"] = kept_routers
-        tables, kept_lookups = lift_embeddings(program, rw)
-        program.annotations["embeddings"], program.annotations["kept_embeddings"] = tables, kept_lookups
-        program.annotations["lm_heads"], program.annotations["kept_heads"] = lift_heads(program, tables)
+        regions = program.regions
+        regions.moe_blocks, regions.unmatched_moe, regions.kept_routers = blocks, unmatched, kept_routers
+        regions.embeddings, regions.kept_embeddings = lift_embeddings(program, rw)
+        regions.lm_heads, regions.kept_heads = lift_heads(program, regions.embeddings)
         rw.finish()
-        return bool(blocks or tables)
+        return bool(blocks or regions.embeddings)
 
 
 def _regions(graph: fx.Graph) -> dict[str, tuple[type, list[fx.Node]]]:
@@ -186,7 +184,7 @@ def _value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: ExpertsPattern, module) -> dict:
+def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: ExpertsPattern, module) -> MoEBlock:
     graph = rw.graph
     inside = set(nodes)
     compute = [n for n in nodes if n.op not in ("get_attr", "placeholder")]
@@ -211,22 +209,12 @@ def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: Expert
         slot = make(operator.getitem, (dispatch, 2))
         ffn = make(commfx.expert_ffn.default, (rows, counts, gate_up, down, activation), "experts")
         combine = make(commfx.moe_combine.default, (ffn, slot, weights), "weighted combine")
-    outputs[0].replace_all_uses_with(combine)
+    rw.replace(outputs[0], combine, erase=False)
     rw.erase_dead(compute)
-    router = _router_path(indices)
-    return {
-        "path": path,
-        "pattern": pattern.name,
-        "num_experts": num_experts,
-        "top_k": _value(indices).shape[1],
-        "gate_up": gate_up.target,
-        "down": down.target,
-        "activation": activation,
-        "dispatch": dispatch.name,
-        "expert_ffn": ffn.name,
-        "combine": combine.name,
-        "router": router,
-    }
+    return MoEBlock(
+        path=path, pattern=pattern.name, num_experts=num_experts, top_k=_value(indices).shape[1], gate_up=gate_up.target,
+        down=down.target, activation=activation, router=_router_path(indices), dispatch=dispatch, experts=[ffn], combine=combine,
+    )
 
 
 def _classify_experts_inputs(path: str, external: list[fx.Node]) -> tuple[fx.Node, fx.Node, fx.Node]:
@@ -255,10 +243,10 @@ def _router_path(indices: fx.Node) -> str | None:
     return paths[-1][0] if paths else None
 
 
-def _lift_router(rw: Rewriter, block: dict) -> bool:
+def _lift_router(rw: Rewriter, block: MoEBlock) -> bool:
     """Replace a softmax top-k router region with commfx.topk_router; False if it is another kind."""
     graph = rw.graph
-    path = block["router"]
+    path = block.router
     if path is None:
         return False
     nodes = [n for n in graph.nodes if any(p == path for p, _ in module_paths(n)) and n.op not in ("get_attr", "placeholder")]
@@ -282,7 +270,6 @@ def _lift_router(rw: Rewriter, block: dict) -> bool:
     if len(indices) != 1 or len(weights) != 1:
         return False
     k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
-    values = next(u for u in topk.users if u.args[1] == 0)
     divides = {"truediv", "itruediv", "div"}
     normalize = any(getattr(n.target, "__name__", str(n.target)) in divides for n in _ancestors_within(weights[0], set(nodes)))
     score_dtype = _value(softmax).dtype
@@ -299,10 +286,10 @@ def _lift_router(rw: Rewriter, block: dict) -> bool:
         with rw.after(new_weights):
             cast = rw.method("to", (new_weights, out_dtype))
         cast.meta["example_value"] = _value(weights[0])
-        weights[0].replace_all_uses_with(cast)
+        rw.replace(weights[0], cast, erase=False)
     else:
-        weights[0].replace_all_uses_with(new_weights)
-    indices[0].replace_all_uses_with(new_indices)
+        rw.replace(weights[0], new_weights, erase=False)
+    rw.replace(indices[0], new_indices, erase=False)
     rw.erase_dead([n for n in nodes if n not in logits_side])
     return True
 

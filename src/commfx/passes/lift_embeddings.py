@@ -2,7 +2,7 @@
 
 A lookup is a call in EMBEDDING_CALLS (what `nn.Embedding`, HF `embed_tokens`/`wte` and a
 bare `F.embedding` capture as) on a 2-D parameter. Each table is recorded once, with all
-its lookups, in `program.annotations["embeddings"]`. A table is *tied* when its weight is
+its lookups, in `program.regions.embeddings`. A table is *tied* when its weight is
 used by anything other than lookups (an LM head sharing it: `lm_head.weight =
 embed.weight`): the head touches every row, so its gradient is dense and later passes
 must not treat it as sparse. Lookups torch itself treats specially stay verbatim, with a
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..compiler.program import Program, module_path
+from ..compiler.regions import EmbeddingTable
 from ..compiler.rewrite import Pattern, Rewriter
 
 commfx = torch.ops.commfx
@@ -36,9 +37,9 @@ EMBEDDING_CALLS = {
 }
 
 
-def lift_embeddings(program: Program, rw: Rewriter) -> tuple[list[dict], list[str]]:
+def lift_embeddings(program: Program, rw: Rewriter) -> tuple[list[EmbeddingTable], list[str]]:
     """Rewrite every plain lookup to commfx.embedding; returns (tables, lookups kept verbatim and why)."""
-    tables: dict[str, dict] = {}
+    tables: dict[str, EmbeddingTable] = {}
     kept: list[str] = []
 
     def table_lookup(rw: Rewriter, node: fx.Node) -> fx.Node | None:
@@ -57,18 +58,15 @@ def lift_embeddings(program: Program, rw: Rewriter) -> tuple[list[dict], list[st
             commfx.embedding.default, (weight, ids, padding), like=node, keep=("example_value", "stack_trace"),
             purpose=f"embedding lookup of {weight.target} [{value.shape[0]} x {value.shape[1]}]",
         )
-        table = tables.setdefault(
-            weight.target,
-            {"weight": weight.target, "path": module_path(lookup) or "", "num_rows": value.shape[0], "dim": value.shape[1],
-             "padding_idx": padding, "lookups": [], "tied_with": [], "trainable": value.requires_grad},
-        )
-        table["lookups"].append(lookup.name)
+        table = tables.setdefault(weight.target, EmbeddingTable(
+            weight.target, module_path(lookup) or "", value.shape[0], value.shape[1], padding, value.requires_grad,
+        ))
+        table.lookups.append(lookup)
         return lookup
 
     rw.rewrite([(Pattern(EMBEDDING_CALLS), table_lookup)])
     for table in tables.values():
-        table["tied_with"] = _other_uses(program, table["weight"])
-        table["tied"] = bool(table["tied_with"])
+        table.tied_with = _other_uses(program, table.weight)
     return list(tables.values()), kept
 
 

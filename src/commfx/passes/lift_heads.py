@@ -9,9 +9,9 @@ view/reshape spellings capture as):
 
 Such a head can be split over the vocabulary (`split_embedding_comm`, head=shard): only the
 loss leaves it. The graph is not changed here; each head is recorded in
-`program.annotations["lm_heads"]`, and a cross-entropy over a linear that does not fit
+`program.regions.lm_heads`, and a cross-entropy over a linear that does not fit
 (its logits used elsewhere, a tied weight, class weights, label smoothing) in
-`["kept_heads"]` with the reason, which `commfx dump` shows.
+`program.regions.kept_heads` with the reason, which `commfx dump` shows.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.program import Program
+from ..compiler.regions import EmbeddingTable, LMHead
 from .lift_embeddings import attribute
 
 CROSS_ENTROPY = inspect.signature(F.cross_entropy)
@@ -31,10 +32,10 @@ SHAPE_METHODS = {"view", "reshape", "flatten"}
 SHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
 
 
-def lift_heads(program: Program, tables: list[dict]) -> tuple[list[dict], list[str]]:
+def lift_heads(program: Program, tables: list[EmbeddingTable]) -> tuple[list[LMHead], list[str]]:
     """(heads that could be vocabulary-parallel, cross-entropies over a linear kept and why)."""
     heads, kept = [], []
-    table_params = {id(attribute(program, t["weight"])) for t in tables}
+    table_params = {id(attribute(program, t.weight)) for t in tables}
     for node in program.graph.nodes:
         if node.op != "call_function" or node.target is not F.cross_entropy:
             continue
@@ -52,10 +53,7 @@ def lift_heads(program: Program, tables: list[dict]) -> tuple[list[dict], list[s
         if why:
             kept.append(f"{node.name}: {why}")
             continue
-        heads.append({
-            "weight": weight.target, "num_rows": value.shape[0], "dim": value.shape[1], "loss": node.name,
-            "linear": linear.name, "ignore_index": int(args["ignore_index"]), "reduction": args["reduction"],
-        })
+        heads.append(LMHead(weight.target, value.shape[0], value.shape[1], node, linear, int(args["ignore_index"]), args["reduction"]))
     return heads, kept
 
 

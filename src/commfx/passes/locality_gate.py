@@ -34,10 +34,11 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..compiler.program import Program
+from ..compiler.regions import MoEBlock
 from ..compiler.rewrite import Pattern, Rewriter
 from ..ops import locality
 from ..plan import Plan, PlanError, Topology
-from .base import Pass, PassError, register
+from .base import Pass, PassError, plan_capacity_factor, register
 from .lift import find_experts_modules
 
 commfx = torch.ops.commfx
@@ -72,7 +73,6 @@ class LocalityGate(Pass):
     name = PASS
     requires = ("moe lifted",)
     ensures = ("locality gate",)
-    requires_passes = ("lift",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -85,7 +85,7 @@ class LocalityGate(Pass):
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("moe_blocks"))
+        return bool(program.regions.moe_blocks)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -125,17 +125,16 @@ class LocalityGate(Pass):
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         rw = Rewriter(program, PASS)
         changed = False
-        for block in program.annotations.get("moe_blocks", []):
-            dispatch = program.node(block["dispatch"])
+        for block in program.regions.moe_blocks:
+            dispatch = block.dispatch
             router, picks = _lifted_router(dispatch.args[1])
             if router is None:
                 raise PassError(
-                    f"locality_gate: the router of {block['path']} was not lifted to commfx.topk_router "
+                    f"locality_gate: the router of {block.path} was not lifted to commfx.topk_router "
                     "(lift keeps group-limited, sigmoid and biased routers verbatim); drop locality_gate for this model"
                 )
             _substitute(rw, router, picks, dispatch, block, options, plan)
             changed = True
-        program.annotations["locality_gate"] = dataclasses.asdict(options)
         rw.finish()
         return changed
 
@@ -153,13 +152,13 @@ def _lifted_router(indices: fx.Node):
     return router, {u.args[1]: u for u in router.users if u.target is operator.getitem}
 
 
-def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, block: dict, options, plan: Plan) -> None:
+def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, block: MoEBlock, options, plan: Plan) -> None:
     graph = rw.graph
     logits, k, normalize, score_dtype = router.args
     x = dispatch.args[0]
-    num_experts = block["num_experts"]
+    num_experts = block.num_experts
     if plan.topology.expert_parallel_size > num_experts:
-        raise PassError(f"{block['path']}: {num_experts} experts over ep={plan.topology.expert_parallel_size}")
+        raise PassError(f"{block.path}: {num_experts} experts over ep={plan.topology.expert_parallel_size}")
     expert_node, rank_node = expert_nodes(plan.topology, num_experts)
     num_nodes = len(set(rank_node))
     per_node = num_experts // num_nodes
@@ -169,22 +168,22 @@ def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, b
     fraction = 1.0 if switch else options.max_remote_fraction
     if max_nodes * per_node < k_used or (fraction < 1.0 and per_node < k_used):
         raise PassError(
-            f"locality_gate: {block['path']} picks {k_used} experts but a node holds {per_node}; "
+            f"locality_gate: {block.path} picks {k_used} experts but a node holds {per_node}; "
             f"{'max_nodes=' + str(max_nodes) if max_nodes * per_node < k_used else 'tokens kept home'} cannot hold them. "
             "Raise max_nodes (or max_remote_fraction=1), or use fewer ranks per node"
         )
     make = rw.maker(router)
 
     if options.gate == "grap" and _position(graph, x) > _position(graph, router):
-        raise PassError(f"locality_gate: {block['path']}'s hidden states are computed after its router; GrAP cannot use them")
+        raise PassError(f"locality_gate: {block.path}'s hidden states are computed after its router; GrAP cannot use them")
     token_ids = _token_ids(graph, block) if options.gate == "hash" else None
-    configured = float(plan.spec_for("expert_parallel").options.get("capacity_factor", 0) or 0)
+    configured = plan_capacity_factor(plan)
     gate_weight = None
     if configured > 0 and options.gate in ("model", "switch"):
         gate_weight = _router_weight(logits)
         if gate_weight is None:
             raise PassError(
-                f"locality_gate: the capacity floor measures the angle between tokens and {block['path']}'s router "
+                f"locality_gate: the capacity floor measures the angle between tokens and {block.path}'s router "
                 "weights, but its logits do not come from a linear layer of a parameter; use gate=grap, "
                 "or dropless expert parallelism (capacity_factor=0)"
             )
@@ -208,25 +207,24 @@ def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, b
             gate = make("detach", (gate_weight,), op="call_method") if gate_weight is not None else None
             floor = make(
                 commfx.measure_capacity_floor.default,
-                (tokens, gate, indices, num_experts, configured, block["path"]),
+                (tokens, gate, indices, num_experts, configured, block.path),
                 f"capacity = max(LocMoE floor 1/(n(1-I_δ²(1/2,(d-1)/2))) as a factor, n={num_experts}, δ from the batch; "
                 f"configured {configured:g})",
             )
             dispatch.kwargs = {**dispatch.kwargs, "capacity_floor": floor}
         if options.gate != "hash" and (options.alpha or options.mu):
             losses = make(locality.aux_losses, (probs, indices, home, expert_node, options.alpha, options.mu), f"balance (alpha={options.alpha:g}) and locality (mu={options.mu:g}) losses")
-            weights = make(commfx.add_aux_loss.default, (weights, losses, block["path"]), "identity; backward adds the losses' gradient")
+            weights = make(commfx.add_aux_loss.default, (weights, losses, block.path), "identity; backward adds the losses' gradient")
     old_weights, old_indices = picks.get(0), picks.get(1)
     _copy_value(indices, old_indices, k_used)
     _copy_value(weights, old_weights, k_used)
     if old_weights is not None:
-        old_weights.replace_all_uses_with(weights)
-    old_indices.replace_all_uses_with(indices)
+        rw.replace(old_weights, weights, erase=False)
+    rw.replace(old_indices, indices, erase=False)
     for node in (old_weights, old_indices, router):
         if node is not None and not node.users:
             rw.erase(node)
-    block["top_k"] = k_used
-    block["gate"] = options.gate
+    block.top_k, block.gate = k_used, options.gate
 
 
 def _router_weight(logits: fx.Node) -> fx.Node | None:
@@ -241,14 +239,14 @@ def _router_weight(logits: fx.Node) -> fx.Node | None:
     return None
 
 
-def _token_ids(graph: fx.Graph, block: dict) -> fx.Node:
+def _token_ids(graph: fx.Graph, block: MoEBlock) -> fx.Node:
     """The model's integer input (token ids), which hash routing hashes."""
     for node in graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
             return node
     raise PassError(
-        f"locality_gate gate=hash routes {block['path']} by token id, but the model takes no integer input; use gate=switch"
+        f"locality_gate gate=hash routes {block.path} by token id, but the model takes no integer input; use gate=switch"
     )
 
 

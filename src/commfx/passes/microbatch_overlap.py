@@ -37,24 +37,13 @@ from torch.utils import _pytree as pytree
 from ..compiler.program import Program
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, register_priority_class
-from .base import Pass, PassError, register, written
+from .base import INTERLEAVED, Pass, PassError, register
 
 commfx = torch.ops.commfx
 PASS = "microbatch_overlap"
 CONTROL_CLASS = "ctl"
 register_priority_class(CONTROL_CLASS, -10, "count exchanges of overlapped micro-batches: ahead of the other's rows (microbatch_overlap)", groups=("ep",))
 
-# Passes whose state or statistics span the whole batch, or whose graphs this pass does not
-# handle yet; the pass must come after every pass that rewrites the graph.
-UNSUPPORTED = {
-    "pipeline_split": "pipeline stages already run micro-batches",
-    "compress_pipeline": "pipeline stages already run micro-batches",
-    "tensor_parallel": "its all-reduces are not interleaved yet",
-    "resize_tp": "its all-reduces are not interleaved yet",
-    "locality_gate": "its capacity floor is measured on the whole batch",
-    "split_embedding_comm": "its embedding exchange is not interleaved yet",
-}
-MAY_FOLLOW = ("defer_grad_sync",)
 
 
 @register
@@ -66,8 +55,16 @@ class MicrobatchOverlap(Pass):
 
     name = PASS
     requires = ("expert parallel",)
-    ensures = ("micro-batches interleaved",)
-    requires_passes = ("lift", "expert_parallel")
+    ensures = (INTERLEAVED,)
+    # Graphs whose state or statistics span the whole batch, or that this pass does not handle yet.
+    refuses = {
+        "pipeline split": "pipeline stages already run micro-batches",
+        "tensor parallel": "its all-reduces are not interleaved yet",
+        "locality gate": "its capacity floor is measured on the whole batch",
+        "embedding comm": "its embedding exchange is not interleaved yet",
+        "capacity routing": "capacity is counted per micro-batch, so other tokens would be dropped than without it; "
+                            "use dropless routing (capacity_factor=0)",
+    }
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -75,29 +72,16 @@ class MicrobatchOverlap(Pass):
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("moe_blocks"))
+        return bool(program.regions.moe_blocks)
+
+    @classmethod
+    def micro_batches(cls, options: Options) -> int:
+        return options.n
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.n < 2:
             raise PlanError(f"microbatch_overlap n must be >= 2 (micro-batches per rank), got {options.n}")
-        names = plan.pass_names()
-        for name, why in UNSUPPORTED.items():
-            if name in names:
-                raise PlanError(f"microbatch_overlap does not work with {name} yet: {why}; drop one of them")
-        later = [name for name in names[names.index(PASS) + 1:] if name not in MAY_FOLLOW]
-        if later:
-            others = [spec for spec in plan.passes if spec.name != PASS]
-            raise PlanError(
-                f"microbatch_overlap must come after every pass that rewrites the graph, and {', '.join(later)} "
-                f"follows it; move it to the end: --passes {','.join(written(s) for s in [*others, plan.spec_for(PASS)])}"
-            )
-        capacity = float(plan.spec_for("expert_parallel").options.get("capacity_factor", 0) or 0)
-        if capacity > 0:
-            raise PlanError(
-                f"microbatch_overlap with expert_parallel capacity_factor={capacity:g}: capacity is counted per "
-                "micro-batch, so other tokens would be dropped than without it; use dropless routing (capacity_factor=0)"
-            )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         graph = program.graph
@@ -109,7 +93,7 @@ class MicrobatchOverlap(Pass):
         rw = Rewriter(program, PASS, graph=fx.Graph())  # the interleaved copy, installed by finish
         _interleave(rw, graph, batched, depends, phase, options.n)
         rw.finish()
-        program.annotations.setdefault("notes", []).append(
+        program.notes.append(
             f"{PASS}: {options.n} micro-batches per rank, interleaved by all-to-all phase "
             f"({max(phase.values(), default=0) + 1} phases); count exchanges on the {CONTROL_CLASS!r} lane"
         )
@@ -226,6 +210,7 @@ def _interleave(rw: Rewriter, graph: fx.Graph, batched: list[fx.Node], depends: 
     for node in graph.nodes:
         if node.op == "placeholder":
             shared[node] = new.node_copy(node)
+            rw.follow(node, shared[node])
     micro: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n)]
     for node in batched:
         split = rw.call(torch.tensor_split, (shared[node], n), purpose=f"cut {node.name} into {n} micro-batches")
@@ -237,6 +222,7 @@ def _interleave(rw: Rewriter, graph: fx.Graph, batched: list[fx.Node], depends: 
         for node in in_phase:
             if node not in depends:
                 shared[node] = new.node_copy(node, lambda x: shared[x])
+                rw.follow(node, shared[node])
         for i in range(n):
             env = micro[i]
             for node in in_phase:
@@ -256,8 +242,9 @@ def _interleave(rw: Rewriter, graph: fx.Graph, batched: list[fx.Node], depends: 
 
 
 def _copy(rw: Rewriter, node: fx.Node, lookup, i: int, n: int) -> fx.Node:
-    """Micro-batch i's copy of `node`. Micro-batch 0 keeps the name (annotations name nodes);
-    a copy's shapes are a micro-batch's, so the whole batch's shape meta stays behind."""
+    """Micro-batch i's copy of `node`. Micro-batch 0 keeps the name and takes the node's place
+    in the program's regions; a copy's shapes are a micro-batch's, so the whole batch's shape
+    meta stays behind."""
     args, kwargs = fx.map_arg(node.args, lookup), fx.map_arg(node.kwargs, lookup)
     if _is_a2a(node):
         x, send, recv, group, *rest = args
@@ -266,4 +253,7 @@ def _copy(rw: Rewriter, node: fx.Node, lookup, i: int, n: int) -> fx.Node:
         args = (x, send, recv, group, priority, f"{tag} mb {i + 1}/{n}".strip())
     elif node.op == "call_function" and node.target is commfx.exchange_counts.default:
         args = (*args[:3], CONTROL_CLASS)
-    return rw.copy(node, args, kwargs, name=f"{node.name}_mb{i}" if i else node.name, drop_meta=("val", "example_value", "tensor_meta"))
+    return rw.copy(
+        node, args, kwargs, name=f"{node.name}_mb{i}" if i else node.name, drop_meta=("val", "example_value", "tensor_meta"),
+        stands_for=i == 0,
+    )

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.program import Program
+from ..compiler.regions import MoEBlock, PackedExchange
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
@@ -52,7 +53,7 @@ class PackExperts(Pass):
     name = PASS
     requires = ("expert parallel",)
     ensures = ("experts packed",)
-    requires_passes = ("lift", "expert_parallel")
+    refuses = {**Pass.refuses, "all-to-all partitioned": "partition_a2a chunks the packed exchange"}
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -64,18 +65,10 @@ class PackExperts(Pass):
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("moe_blocks"))
+        return bool(program.regions.moe_blocks)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model: torch.nn.Module | None) -> None:
-        names = plan.pass_names()
-        if "partition_a2a" in names and names.index("partition_a2a") < names.index(PASS):
-            fixed = [n for n in names if n != PASS]
-            fixed.insert(fixed.index("partition_a2a"), PASS)
-            raise PlanError(
-                "pack_experts must come before partition_a2a (partition_a2a chunks the packed exchange); "
-                f"for example --passes {','.join(fixed)}"
-            )
         if options.replace_every < 0:
             raise PlanError(f"pack_experts replace_every must be >= 0 (0 = never re-place), got {options.replace_every}")
         if options.degree != "auto":
@@ -84,23 +77,21 @@ class PackExperts(Pass):
             raise PlanError(f"pack_experts balance must be >= 0 (max rows per rank <= (1 + balance) * mean), got {options.balance}")
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        blocks = program.annotations.get("moe_blocks") or []
+        blocks = program.regions.moe_blocks
         if not blocks:
             raise PassError("pack_experts found no expert-parallel MoE block in the graph")
         ep = plan.topology.expert_parallel_size
         rw = Rewriter(program, PASS)
-        placements = program.annotations.setdefault("expert_placement", {})
-        notes = program.annotations.setdefault("notes", [])
         previous = None
         for block in blocks:
-            if options.degree != "auto" and int(options.degree) * ep != block["num_experts"]:
-                raise PlanError(_degree_misfit(block["num_experts"], int(options.degree), plan))
-            notes.append(_degree_note(program, block, plan, options.degree))
-            previous = _pack_block(rw, program, block, ep, previous)
-            placements[block["path"]] = {
-                "num_experts": block["num_experts"],
+            if options.degree != "auto" and int(options.degree) * ep != block.num_experts:
+                raise PlanError(_degree_misfit(block.num_experts, int(options.degree), plan))
+            program.notes.append(_degree_note(program, block, plan, options.degree))
+            previous = _pack_block(rw, block, ep, previous)
+            program.runtime.expert_placement[block.path] = {
+                "num_experts": block.num_experts,
                 "ranks": ep,
-                "weights": [block["gate_up"], block["down"]],
+                "weights": [block.gate_up, block.down],
                 "replace_every": options.replace_every,
                 "balance": options.balance,
             }
@@ -141,49 +132,45 @@ def _degree_misfit(experts: int, degree: int, plan: Plan) -> str:
     )
 
 
-def _degree_note(program: Program, block: dict, plan: Plan, degree: str) -> str:
+def _degree_note(program: Program, block: MoEBlock, plan: Plan, degree: str) -> str:
     """What `commfx dump` says about the packing degree: the plan's, and the cost model's."""
     ep = plan.topology.expert_parallel_size
-    here = f"pack_experts {block['path']}: {block['num_experts'] // ep} experts per device (ep={ep}, degree={degree})"
-    tokens = program.annotations.get("tokens_per_rank")
+    here = f"pack_experts {block.path}: {block.num_experts // ep} experts per device (ep={ep}, degree={degree})"
+    tokens = program.tokens_per_rank
     if not tokens:
         return here + "; the cost model needs the tokens per rank (compile through commfx.compile_program)"
-    down, gate_up = program.gm.get_parameter(block["down"]), program.gm.get_parameter(block["gate_up"])
+    down, gate_up = program.gm.get_parameter(block.down), program.gm.get_parameter(block.gate_up)
     region = MoERegion(
-        tokens=tokens, hidden=down.shape[1], expert_hidden=down.shape[2], top_k=block["top_k"],
-        num_experts=block["num_experts"], dtype_bytes=down.element_size(), matrices=gate_up.shape[1] // down.shape[2] + 1,
+        tokens=tokens, hidden=down.shape[1], expert_hidden=down.shape[2], top_k=block.top_k,
+        num_experts=block.num_experts, dtype_bytes=down.element_size(), matrices=gate_up.shape[1] // down.shape[2] + 1,
     )
-    choice = packing_degree(region, plan.topology, block.get("chunks", 1))
-    verdict = "the plan's" if choice.degree * ep == block["num_experts"] else f"to apply it: --ep {block['num_experts'] // choice.degree}"
+    choice = packing_degree(region, plan.topology, block.chunks)
+    verdict = "the plan's" if choice.degree * ep == block.num_experts else f"to apply it: --ep {block.num_experts // choice.degree}"
     return here + f". Cost model recommends {choice.degree} ({verdict}): {choice.reason}"
 
 
-def _pack_block(rw: Rewriter, program: Program, block: dict, ep: int, previous: fx.Node | None) -> fx.Node:
+def _pack_block(rw: Rewriter, block: MoEBlock, ep: int, previous: fx.Node | None) -> fx.Node:
     """Rewrite one block; returns its router's expert choices (the next block's `previous`)."""
-    dispatch, ffn, combine = (program.node(block[key]) for key in ("dispatch", "expert_ffn", "combine"))
-    if ffn.target is not commfx.expert_ffn.default or combine.target is not commfx.moe_combine.default:
-        raise PassError(f"{block['path']}: pack_experts expects expert_parallel's block (dispatch, experts, combine)")
+    dispatch, (ffn,), combine = block.dispatch, block.experts, block.combine
     x, indices, capacity_factor = dispatch.args[0], dispatch.args[1], float(dispatch.args[3])
     weights = combine.args[2]
-    local_experts = block["num_experts"] // ep
+    local_experts = block.num_experts // ep
     old = _block_nodes(dispatch, combine)
-    path = block["path"]
+    path = block.path
     make = rw.maker(ffn)
 
     with rw.before(combine):
-        slots = make(commfx.expert_slots.default, (indices, previous, path, block["num_experts"], ep), "where each expert lives now (runtime placement)")
+        slots = make(commfx.expert_slots.default, (indices, previous, path, block.num_experts, ep), "where each expert lives now (runtime placement)")
         packed = make(commfx.rank_dispatch.default, (x, slots, weights, ep, local_experts, capacity_factor), "each token once per rank")
         rows, meta, row_token, send = (make(operator.getitem, (packed, i)) for i in range(4))
         recv_counts = make(commfx.exchange_counts.default, (send, "ep", ep), "exchange row counts")
         back, exchange = build_exchange(make, rows, meta, send, recv_counts, ffn.args[2:5], ep, local_experts, path, chunks=1)
         result = make(commfx.scatter_add_tokens.default, (back, row_token, x), "sum ranks' rows into tokens")
-    combine.replace_all_uses_with(result)
+    rw.replace(combine, result, erase=False)
     rw.erase_dead(old)
-    experts = next(n for n in exchange if n.target is commfx.packed_expert_ffn.default)
-    block.update(
-        dispatch=packed.name, expert_ffn=experts.name, combine=result.name, packed=True,
-        packed_exchange=[n.name for n in exchange], packed_inputs=[rows.name, meta.name, send.name, recv_counts.name],
-    )
+    block.dispatch, block.combine, block.exchange = packed, result, None
+    block.experts = [n for n in exchange if n.target is commfx.packed_expert_ffn.default]
+    block.packed = PackedExchange(rows, meta, send, recv_counts, exchange)
     return indices
 
 

@@ -16,7 +16,7 @@ runs, so uneven splits and experts empty on some rank stay exact), joined by
 `merge_chunks` before combine. The receiver derives chunk counts from the counts it
 already has, so no extra count exchange. Both all-to-alls are tagged with their priority
 class and chunk; the backward graph inherits both through autograd. The runtime side
-(priority lanes, chunked gradient all-reduce) reads `annotations["comm_schedule"]`.
+(priority lanes, chunked gradient all-reduce) reads `program.runtime.comm_schedule`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import dataclasses
 import operator
 
 import torch
-import torch.fx as fx
 
 from .cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
 from ..plan import Plan, PlanError
-from ..compiler.program import Program, stamp
-from ..compiler.rewrite import Pattern, Rewriter
-from .base import Pass, PassError, plan_options, register
+from ..compiler.program import CommSchedule, Program, stamp
+from ..compiler.regions import MoEBlock
+from ..compiler.rewrite import Rewriter
+from .base import Pass, PassError, plan_micro_batches, register
 from .pack_experts import build_exchange
 
 commfx = torch.ops.commfx
@@ -48,11 +48,10 @@ class PartitionA2A(Pass):
     name = PASS
     requires = ("expert parallel",)
     ensures = ("all-to-all partitioned",)
-    requires_passes = ("lift", "expert_parallel")
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("moe_blocks"))
+        return bool(program.regions.moe_blocks)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -73,44 +72,44 @@ class PartitionA2A(Pass):
         )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        blocks = program.annotations.get("moe_blocks") or []
+        blocks = program.regions.moe_blocks
         rw = Rewriter(program, PASS)
-        tokens = program.annotations.get("tokens_per_rank")
+        tokens = program.tokens_per_rank
         for block in blocks:
             chunks = self.chunks_for(program, block, options, plan)
             if tokens is not None and options.k != "auto" and chunks > max(1, tokens):
                 raise PlanError(
-                    f"partition_a2a k={chunks} is more chunks than the {tokens} tokens per rank of {block['path']}; "
+                    f"partition_a2a k={chunks} is more chunks than the {tokens} tokens per rank of {block.path}; "
                     f"use k <= {tokens} or k=auto"
                 )
-            block["chunks"] = chunks
-            if block.get("packed"):
-                _partition_packed_block(rw, program, block, chunks)
+            if block.exchange is None and block.packed is None:
+                raise PassError(f"partition_a2a: {block.path} has no expert-parallel exchange to cut; run expert_parallel before it")
+            block.chunks = chunks
+            if block.packed is not None:
+                _partition_packed_block(rw, block, chunks)
             else:
-                _partition_block(rw, program, block, chunks)
+                _partition_block(rw, block, chunks)
         chunk = grad_chunk_bytes(plan.topology) if options.grad_chunk_bytes == "auto" else int(options.grad_chunk_bytes)
-        program.annotations["comm_schedule"] = {"priority": options.priority, "grad_chunk_bytes": chunk if options.priority else 0}
+        program.runtime.comm_schedule = CommSchedule(options.priority, chunk if options.priority else 0)
         rw.finish()
         return bool(blocks)
 
     @staticmethod
-    def chunks_for(program: Program, block: dict, options: Options, plan: Plan) -> int:
+    def chunks_for(program: Program, block: MoEBlock, options: Options, plan: Plan) -> int:
         if options.k != "auto":
             return int(options.k)
-        tokens = program.annotations.get("tokens_per_rank")
+        tokens = program.tokens_per_rank
         if tokens is None:
             raise PassError("partition_a2a k=auto needs the tokens per rank (compile through commfx.compile_program)")
-        down = program.gm.get_parameter(block["down"])
-        gate_up = program.gm.get_parameter(block["gate_up"])
+        down = program.gm.get_parameter(block.down)
+        gate_up = program.gm.get_parameter(block.gate_up)
         hidden, expert_hidden = down.shape[1], down.shape[2]
-        # microbatch_overlap (later in the plan) runs each region once per micro-batch
-        micro = plan_options(plan, "microbatch_overlap").n if "microbatch_overlap" in plan.pass_names() else 1
         region = MoERegion(
-            tokens=max(1, tokens // micro),
+            tokens=max(1, tokens // plan_micro_batches(plan)),  # each micro-batch runs the region once
             hidden=hidden,
             expert_hidden=expert_hidden,
-            top_k=block["top_k"],
-            num_experts=block["num_experts"],
+            top_k=block.top_k,
+            num_experts=block.num_experts,
             dtype_bytes=down.element_size(),
             matrices=gate_up.shape[1] // expert_hidden + 1,
         )
@@ -129,63 +128,23 @@ def _int_or_auto(name: str, value: str, minimum: int, too_small: str) -> None:
         raise PlanError(f"partition_a2a {too_small} (got {number})")
 
 
-# What expert_parallel leaves of one block, up to its local experts:
-# all_to_all -> group_by_expert -> expert_ffn, each named as _region calls it.
-EXPERT_PARALLEL_REGION = Pattern(
-    commfx.expert_ffn.default,
-    args=(Pattern(commfx.group_by_expert.default, args=(Pattern(commfx.all_to_all.default, name="received"),), name="grouped"),),
-    name="ffn",
-)
-
-
-def _region(program: Program, block: dict) -> dict[str, fx.Node]:
-    """The nodes expert_parallel made for one block, checked."""
-    ffn = program.node(block["expert_ffn"])
-    found = EXPERT_PARALLEL_REGION.match(ffn)
-    back_users = [u for u in ffn.users if u.target is commfx.group_by_expert.default]
-    if found is None or len(back_users) != 1:
-        raise PassError(
-            f"partition_a2a: {block['path']} does not have the shape expert_parallel makes "
-            "(all_to_all -> group_by_expert -> expert_ffn -> group_by_expert -> all_to_all); "
-            "run partition_a2a directly after expert_parallel"
-        )
-    received = found["received"]
-    back = back_users[0]
-    returned = next(u for u in back.users if u.target is commfx.all_to_all.default)
-    send_counts = received.args[1]
-    return {
-        "ffn": ffn,
-        "grouped": found["grouped"],
-        "local_counts": ffn.args[1],
-        "received": received,
-        "back": back,
-        "returned": returned,
-        "rows": received.args[0],
-        "send_counts": send_counts,
-        "recv_counts": received.args[2],
-        "counts": send_counts.args[0],
-    }
-
-
-def _partition_block(rw: Rewriter, program: Program, block: dict, chunks: int) -> None:
-    region = _region(program, block)
-    path = block["path"]
+def _partition_block(rw: Rewriter, block: MoEBlock, chunks: int) -> None:
+    ex, path = block.exchange, block.path
     if chunks == 1:  # nothing to split: name the collectives and give them their class
-        for key, role in (("received", "dispatch"), ("returned", "combine")):
-            node = region[key]
+        for node, role in ((ex.received, "dispatch"), (ex.returned, "combine")):
             node.args = (*node.args[:4], "a2a", f"{path} {role} 1/1")
             stamp(node, PASS, f"{role} all-to-all (priority a2a, 1 chunk)")
         return
-    ffn = region["ffn"]
+    (ffn,) = block.experts
     _, _, gate_up, down, activation = ffn.args
-    group = region["received"].args[3]
-    ep, local_experts = region["send_counts"].args[1]
+    group = ex.received.args[3]
+    ep, local_experts = ex.send_counts.args[1]
     make = rw.maker(ffn)
 
-    with rw.before(region["received"]):
-        send_chunks = make(commfx.chunk_counts.default, (region["counts"], chunks), f"rows per expert in each of {chunks} chunks")
-        recv_chunks = make(commfx.chunk_counts.default, (region["recv_counts"], chunks), "the same, for the rows this rank receives")
-        pieces = make(commfx.split_chunks.default, (region["rows"], region["counts"], chunks), f"cut every expert's rows into {chunks} runs")
+    with rw.before(ex.received):
+        send_chunks = make(commfx.chunk_counts.default, (ex.counts, chunks), f"rows per expert in each of {chunks} chunks")
+        recv_chunks = make(commfx.chunk_counts.default, (ex.recv_counts, chunks), "the same, for the rows this rank receives")
+        pieces = make(commfx.split_chunks.default, (ex.rows, ex.counts, chunks), f"cut every expert's rows into {chunks} runs")
         sends, recvs, received = [], [], []
         for j in range(chunks):
             rows_j = make(operator.getitem, (pieces, j))
@@ -204,27 +163,28 @@ def _partition_block(rw: Rewriter, program: Program, block: dict, chunks: int) -
             back = make(commfx.group_by_expert.default, (out, recvs[j], True))
             tag = f"{path} combine {j + 1}/{chunks}"
             returned.append(make(commfx.all_to_all.default, (back, recvs[j], sends[j], group, "a2a", tag), f"combine all-to-all, chunk {j + 1}/{chunks} (priority a2a)"))
-        merged = make(commfx.merge_chunks.default, (returned, region["counts"], chunks), "rows back in dispatch order")
-    region["returned"].replace_all_uses_with(merged)
-    rw.erase(*(region[key] for key in ("returned", "back", "ffn", "local_counts", "grouped", "received")))
-    block["expert_ffn"] = ffns[0].name
-    block["expert_ffn_chunks"] = [n.name for n in ffns]
+        merged = make(commfx.merge_chunks.default, (returned, ex.counts, chunks), "rows back in dispatch order")
+    old = ex.nodes()
+    rw.replace(ex.returned, merged, erase=False)
+    rw.erase(old[0], old[1], ffn, *old[2:])
+    block.experts, block.exchange = ffns, None
 
 
-
-def _partition_packed_block(rw: Rewriter, program: Program, block: dict, chunks: int) -> None:
+def _partition_packed_block(rw: Rewriter, block: MoEBlock, chunks: int) -> None:
     """A block pack_experts rewrote: rebuild its exchange (dispatch all-to-alls, local experts,
     weighted sum, combine all-to-all) in `chunks` pieces, each destination rank's token rows
     cut into `chunks` runs."""
-    old = [program.node(name) for name in block["packed_exchange"]]
-    rows, meta, send, recv_counts = (program.node(name) for name in block["packed_inputs"])
-    ffn = program.node(block["expert_ffn"])
-    ep = recv_counts.args[2]
+    packed, (ffn,) = block.packed, block.experts
+    ep = packed.recv_counts.args[2]
     if chunks == 1:  # the packed exchange is one chunk already (its all-to-alls are class a2a)
         return
-    with rw.before(old[0]):
-        back, made = build_exchange(rw.maker(ffn), rows, meta, send, recv_counts, ffn.args[3:6], ep, block["num_experts"] // ep, block["path"], chunks)
-    old[-1].replace_all_uses_with(back)
+    with rw.before(packed.nodes[0]):
+        back, made = build_exchange(
+            rw.maker(ffn), packed.rows, packed.meta, packed.send, packed.recv_counts, ffn.args[3:6], ep,
+            block.num_experts // ep, block.path, chunks,
+        )
+    old = list(packed.nodes)
+    rw.replace(old[-1], back, erase=False)
     rw.erase(*reversed(old))
-    ffns = [n for n in made if n.target is commfx.packed_expert_ffn.default]
-    block.update(expert_ffn=ffns[0].name, expert_ffn_chunks=[n.name for n in ffns], packed_exchange=[n.name for n in made])
+    block.experts = [n for n in made if n.target is commfx.packed_expert_ffn.default]
+    packed.nodes = made

@@ -89,7 +89,7 @@ class PipelineSplit(Pass):
 
     @classmethod
     def evidence(cls, program: Program, options: Options) -> dict[str, int]:
-        pipeline = program.annotations.get("pipeline")
+        pipeline = program.regions.pipeline
         if pipeline is None or len(pipeline.stages) < 2:
             return {}
         return {"stages": len(pipeline.stages), "boundaries": len(pipeline.boundaries)}
@@ -113,7 +113,7 @@ class PipelineSplit(Pass):
         stage_of = assign_stages(graph, layer_of, layer_stage)
         pipeline = build_pipeline(program, stage_of, pp, layer_stage)
         pipeline.schedule, pipeline.microbatches = options.schedule, microbatches
-        program.annotations["pipeline"] = pipeline
+        program.regions.pipeline = pipeline
         program.gm = parent_module(program, pipeline)
         return True
 

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from ..compiler.program import Program, stamp
+from ..compiler.regions import TPBlock
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
@@ -44,7 +45,6 @@ class ResizeTP(Pass):
     name = PASS
     requires = ("tensor parallel",)
     ensures = ("resizable tensor parallel",)
-    requires_passes = ("tensor_parallel",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -87,20 +87,18 @@ class ResizeTP(Pass):
             )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        blocks = program.annotations.get("tp_blocks") or []
+        blocks = program.regions.tp_blocks
         if not blocks:
             raise PassError("resize_tp found no tensor-parallel block; run tensor_parallel first")
-        nodes = {n.name: n for n in program.graph.nodes}
         rw = Rewriter(program, PASS)
         linears = {}
         for block in blocks:
-            for name, kind in [*((c, "column") for c in block["columns"]), (block["row"], "row")]:
-                node = nodes[name]
+            for node, kind in [*((c, "column") for c in block.columns), (block.row, "row")]:
                 x, weight = node.args[0], node.args[1]
                 bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
                 key = weight.target
                 if bias is not None and not isinstance(bias, torch.fx.Node):
-                    raise PassError(f"resize_tp: {name} has a constant bias {bias!r}; only parameters can be resized")
+                    raise PassError(f"resize_tp: {node.name} has a constant bias {bias!r}; only parameters can be resized")
                 node.target = commfx.tp_linear.default
                 node.args, node.kwargs = (x, weight, bias, key, GROUP), {}
                 stamp(node, PASS, f"{kind}-parallel linear, width set by the runtime")
@@ -108,11 +106,11 @@ class ResizeTP(Pass):
         migrate = options.migrate
         if migrate == "auto":
             migrate = "units" if plan.topology.dp == 1 and plan.topology.pp == 1 else "columns"
-        units = _insert_units(rw, program, blocks, nodes) if migrate == "units" else {}
-        program.annotations["tp_resize"] = {
+        units = _insert_units(rw, blocks) if migrate == "units" else {}
+        program.runtime.tp_resize = {
             "linears": linears, "options": {**dataclasses.asdict(options), "migrate": migrate}, "units": units,
         }
-        program.annotations.setdefault("notes", []).append(_note(options, migrate, len(linears), units))
+        program.notes.append(_note(options, migrate, len(linears), units))
         rw.finish()
         return True
 
@@ -129,18 +127,17 @@ def _note(options: ResizeTP.Options, migrate: str, linears: int, units: dict) ->
             f"and gives at most max_migrate={options.max_migrate:g}")
 
 
-def _insert_units(rw: Rewriter, program: Program, blocks: list[dict], nodes: dict) -> dict:
+def _insert_units(rw: Rewriter, blocks: list[TPBlock]) -> dict:
     """Route each block's row-parallel partial product through `commfx.tp_units` (before the
     all-reduce), fed with the outside inputs of the block's unit function."""
-    functions = program.annotations.get("tp_units") or {}
     units = {}
     for block in blocks:
-        function = functions.get(block["path"])
+        function = block.unit_function
         if function is None:
             continue  # the shard rules cannot cut this block into units: it only resizes
-        row = nodes[block["row"]]
+        row = block.row
         key = row.args[1].target
-        externals = [nodes[name] for name in function["externals"]]
+        externals = block.unit_inputs
         kinds = "".join("t" if isinstance(e.meta.get("example_value"), torch.Tensor) else "s" for e in externals)
         tensors = [e for e, k in zip(externals, kinds) if k == "t"]
         sizes = [e for e, k in zip(externals, kinds) if k == "s"]
@@ -157,6 +154,6 @@ def _insert_units(rw: Rewriter, program: Program, blocks: list[dict], nodes: dic
             if c["bias"] is not None:
                 ordered.append((c["bias"], 0, c["layout"]))
         ordered.append((function["row"]["weight"], 1, function["row"]["layout"]))
-        units[key] = {"path": block["path"], "graph": function["graph"], "kinds": kinds, "tensors": ordered,
+        units[key] = {"path": block.path, "graph": function["graph"], "kinds": kinds, "tensors": ordered,
                       "per_rank": function["per_rank"], "unit": function["unit"]}
     return units

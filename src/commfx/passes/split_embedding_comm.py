@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..compiler.program import Program, stamp
+from ..compiler.regions import EmbeddingTable, LMHead
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
@@ -35,6 +36,7 @@ from .embedding_cost import STRATEGIES, Estimate, choose, estimate, estimate_hea
 commfx = torch.ops.commfx
 PASS = "split_embedding_comm"
 SHARD_GROUP, SHARD_REPLICAS = "ep", "edp"  # row shards use the ep blocks, like expert shards
+SHARD_SPEC = {"dim": 0, "group": SHARD_GROUP, "replicated_over": SHARD_REPLICAS}
 EMBED_PRIORITY = "a2a"
 
 
@@ -48,7 +50,6 @@ class SplitEmbeddingComm(Pass):
     name = PASS
     requires = ("embeddings lifted",)
     ensures = ("embedding comm",)
-    requires_passes = ("lift",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -61,7 +62,7 @@ class SplitEmbeddingComm(Pass):
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        return bool(program.annotations.get("embeddings") or program.annotations.get("lm_heads"))
+        return bool(program.regions.embeddings or program.regions.lm_heads)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -109,33 +110,32 @@ class SplitEmbeddingComm(Pass):
     def evidence(cls, program: Program, options: Options) -> dict[str, int]:
         """Tables and heads by the strategy chosen (dense is a decision too, not a rewrite)."""
         counts: dict[str, int] = {}
-        for decision in program.annotations.get("embedding_comm", {}).values():
+        for decision in program.decisions.get(PASS, {}).values():
             key = f"{decision['strategy']} {'heads' if decision.get('head') else 'tables'}"
             counts[key] = counts.get(key, 0) + 1
         return counts
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        tables = program.annotations.get("embeddings") or []
-        tokens = program.annotations.get("tokens_per_rank")
+        tables = program.regions.embeddings
+        tokens = program.tokens_per_rank
         if tokens is None:
             raise PassError("split_embedding_comm needs the tokens per rank (compile through commfx.compile_program)")
         rw = Rewriter(program, PASS)
-        chosen = _selected({t["weight"]: t for t in tables} | {t["path"]: t for t in tables}, options)
-        decisions = program.annotations.setdefault("embedding_comm", {})
+        chosen = _selected({t.weight: {"tied_with": t.tied_with, "path": t.path} for t in tables}, options)
+        decisions = program.decisions.setdefault(PASS, {})
         parts = plan.topology.expert_parallel_size
         changed = False
         for table in tables:
-            if not table["trainable"]:
+            if not table.trainable:
                 continue
-            weight = program.gm.get_parameter(table["weight"])
-            estimates = estimate(table["num_rows"], table["dim"], weight.element_size(), tokens, plan.topology, parts)
+            weight = program.gm.get_parameter(table.weight)
+            estimates = estimate(table.num_rows, table.dim, weight.element_size(), tokens, plan.topology, parts)
             if options.shard_in_graph:
                 estimates["shard"] = dataclasses.replace(estimates["shard"], applicable=False, why_not="the caller owns full-size tables")
-            pick, reason = _decide(table, estimates, options, table["weight"] in chosen or table["path"] in chosen)
-            decisions[table["weight"]] = {"strategy": pick, "reason": reason, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
-            purpose = f"{table['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
-            for name in table["lookups"]:
-                lookup = program.node(name)
+            pick, reason = _decide(table, estimates, options, table.weight in chosen)
+            decisions[table.weight] = {"strategy": pick, "reason": reason, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
+            purpose = f"{table.weight}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
+            for lookup in list(table.lookups):
                 if pick == "sparse":
                     _replicated_sparse(program, lookup, plan, purpose)
                 elif pick == "shard":
@@ -143,59 +143,54 @@ class SplitEmbeddingComm(Pass):
                 else:
                     stamp(lookup, PASS, purpose)
             if pick == "sparse":
-                program.annotations.setdefault("reduced_in_graph", []).append(table["weight"])
+                program.runtime.reduced_in_graph.append(table.weight)
             elif pick == "shard":
-                program.annotations.setdefault("shards", {})[table["weight"]] = {
-                    "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
-                }
+                program.runtime.shards[table.weight] = SHARD_SPEC | {"parts": parts}
             changed = changed or pick != "dense"
         changed = self._split_heads(rw, program, options, plan, tokens, decisions) or changed
         rw.finish()
         return changed
 
     def _split_heads(self, rw: Rewriter, program: Program, options: Options, plan: Plan, tokens: int, decisions: dict) -> bool:
-        heads = program.annotations.get("lm_heads") or []
+        heads = program.regions.lm_heads
         if options.head == "shard" and not heads:
-            kept = program.annotations.get("kept_heads") or ["no cross_entropy over a linear in the graph"]
+            kept = program.regions.kept_heads or ["no cross_entropy over a linear in the graph"]
             raise PassError(
                 "split_embedding_comm head=shard: the graph has no LM head to split. A head can be split when its "
                 "logits feed only a cross_entropy loss computed in the model's forward (return the loss, not the "
                 f"logits). Found: {'; '.join(kept)}. Use head=auto or head=dense"
             )
-        notes = program.annotations.setdefault("notes", [])
-        notes.extend(f"{PASS}: a cross_entropy's LM head stays dense: {why}" for why in program.annotations.get("kept_heads") or [])
+        program.notes.extend(f"{PASS}: a cross_entropy's LM head stays dense: {why}" for why in program.regions.kept_heads)
         parts = plan.topology.expert_parallel_size
         changed = False
         for head in heads:
-            weight = program.gm.get_parameter(head["weight"])
-            estimates = estimate_head(head["num_rows"], head["dim"], weight.element_size(), tokens, plan.topology, parts)
+            weight = program.gm.get_parameter(head.weight)
+            estimates = estimate_head(head.num_rows, head.dim, weight.element_size(), tokens, plan.topology, parts)
             if options.shard_in_graph:
                 estimates["shard"] = dataclasses.replace(estimates["shard"], applicable=False, why_not="the caller owns the full head")
             if options.head == "shard" and not estimates["shard"].applicable:
-                raise PassError(f"LM head {head['weight']} cannot be split over the vocabulary: {estimates['shard'].why_not}")
+                raise PassError(f"LM head {head.weight} cannot be split over the vocabulary: {estimates['shard'].why_not}")
             pick = options.head if options.head != "auto" else choose(estimates).strategy
             reason = "head option" if options.head != "auto" else "cost model"
-            decisions[head["weight"]] = {"strategy": pick, "reason": reason, "head": True, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
-            purpose = f"LM head {head['weight']}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
+            decisions[head.weight] = {"strategy": pick, "reason": reason, "head": True, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
+            purpose = f"LM head {head.weight}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
             if pick != "shard":
-                stamp(program.node(head["linear"]), PASS, purpose)
+                stamp(head.linear, PASS, purpose)
                 continue
-            _vocab_parallel_head(rw, program, head, parts, purpose)
-            program.annotations.setdefault("shards", {})[head["weight"]] = {
-                "dim": 0, "group": SHARD_GROUP, "parts": parts, "replicated_over": SHARD_REPLICAS,
-            }
+            _vocab_parallel_head(rw, head, parts, purpose)
+            program.runtime.shards[head.weight] = SHARD_SPEC | {"parts": parts}
             changed = True
         return changed
 
 
-def _decide(table: dict, estimates: dict[str, Estimate], options, selected: bool) -> tuple[str, str]:
-    if table["tied"]:
-        return "dense", f"tied with {', '.join(table['tied_with'])}: its gradient is dense"
+def _decide(table: EmbeddingTable, estimates: dict[str, Estimate], options, selected: bool) -> tuple[str, str]:
+    if table.tied:
+        return "dense", f"tied with {', '.join(table.tied_with)}: its gradient is dense"
     if options.strategy == "auto" or not selected:
         best = choose(estimates)
         return best.strategy, "cost model"
     if options.strategy == "shard" and not estimates["shard"].applicable:
-        raise PassError(f"table {table['weight']} cannot be row-sharded: {estimates['shard'].why_not}")
+        raise PassError(f"table {table.weight} cannot be row-sharded: {estimates['shard'].why_not}")
     return options.strategy, "strategy option"
 
 
@@ -207,14 +202,14 @@ def _replicated_sparse(program: Program, lookup: fx.Node, plan: Plan, purpose: s
     stamp(lookup, PASS, purpose)
 
 
-def _row_sharded(rw: Rewriter, lookup: fx.Node, table: dict, parts: int, purpose: str) -> None:
+def _row_sharded(rw: Rewriter, lookup: fx.Node, table: EmbeddingTable, parts: int, purpose: str) -> None:
     """weight[ids] -> route, ids to owners, owners' lookup, rows back, rows by token."""
     weight, ids, padding = lookup.args
-    rows_per_part = table["num_rows"] // parts
+    rows_per_part = table.num_rows // parts
     make = rw.maker(lookup)
-    tag = table["weight"]
+    tag = table.weight
     with rw.before(lookup):
-        route = make(commfx.embedding_route.default, (ids, table["num_rows"], parts), "unique ids, grouped by owner")
+        route = make(commfx.embedding_route.default, (ids, table.num_rows, parts), "unique ids, grouped by owner")
         unique = make(operator.getitem, (route, 0))
         inverse = make(operator.getitem, (route, 1))
         send = make(operator.getitem, (route, 2))
@@ -233,21 +228,21 @@ def _row_sharded(rw: Rewriter, lookup: fx.Node, table: dict, parts: int, purpose
     rw.replace(lookup, out)
 
 
-def _vocab_parallel_head(rw: Rewriter, program: Program, head: dict, parts: int, purpose: str) -> None:
+def _vocab_parallel_head(rw: Rewriter, head: LMHead, parts: int, purpose: str) -> None:
     """linear + shape ops + cross_entropy -> one commfx.vocab_parallel_loss over this rank's rows."""
-    loss, linear = program.node(head["loss"]), program.node(head["linear"])
+    loss, linear = head.loss, head.linear
     hidden, weight = linear.args[0], linear.args[1]
     labels = loss.args[1] if len(loss.args) > 1 else loss.kwargs["target"]
     with rw.before(loss):
-        rows = rw.method("reshape", (hidden, -1, head["dim"]), like=linear)
+        rows = rw.method("reshape", (hidden, -1, head.dim), like=linear)
         targets = rw.method("reshape", (labels, -1), like=linear)
         split = rw.call(
             commfx.vocab_parallel_loss.default,
-            (rows, weight, targets, head["ignore_index"], head["reduction"], SHARD_GROUP, parts, EMBED_PRIORITY),
+            (rows, weight, targets, head.ignore_index, head.reduction, SHARD_GROUP, parts, EMBED_PRIORITY),
             purpose=purpose, like=linear,
         )
         value = rw.call(operator.getitem, (split, 0), like=linear)
-    loss.replace_all_uses_with(value)
+    rw.replace(loss, value, erase=False)
     dead = [loss]
     node = loss.args[0]
     while node is not linear:

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..compiler.program import Program, stamp
+from ..compiler.regions import TPBlock
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, divisors
 from .base import Pass, PassError, register
@@ -133,22 +134,18 @@ class TensorParallel(Pass):
                 "tensor_parallel found no attention or MLP block to split (a module whose linears read its input "
                 "and feed one output linear)" + (f"; blocks it could not split: {'; '.join(skipped)}" if skipped else "")
             )
-        tp_plan = _plan(blocks, tp)
-        shards = program.annotations.setdefault("shards", {})
+        regions = program.regions
+        regions.tp_plan, regions.tp_skipped = _plan(blocks, tp), skipped
         # Each block's unit function, planned on the graph before any block is rewritten.
         units = {b.path: unit_function(graph, b, *members[b.path], tp, sizes) for b in blocks}
         rw = Rewriter(program, PASS)
         for block in blocks:
-            copies = _rewrite_block(rw, block, tp, shards)
-            if units[block.path] is not None:  # the unit function reads the tp_copy where one was made
-                units[block.path]["externals"] = [copies.get(e, e).name for e in units[block.path]["externals"]]
-        program.annotations["tp_units"] = {path: u for path, u in units.items() if u is not None}
-        program.annotations["tp_blocks"] = [
-            {"path": b.path, "columns": [c.name for c in b.columns], "row": b.row.name, "units": b.row_layout[1]} for b in blocks
-        ]
-        program.annotations["tp_skipped"] = skipped
-        program.annotations["tp_plan"] = tp_plan
-        program.annotations.setdefault("notes", []).extend(_note(tp_plan, skipped))
+            copies = _rewrite_block(rw, block, tp, program.runtime.shards)
+            function = units[block.path]
+            # the unit function reads the tp_copy where one was made
+            inputs = [copies.get(e, e) for e in function.pop("externals")] if function is not None else []
+            regions.tp_blocks.append(TPBlock(block.path, list(block.columns), block.row, block.row_layout[1], function, inputs))
+        program.notes.extend(_note(regions.tp_plan, skipped))
         rw.finish()
         return True
 

@@ -42,7 +42,7 @@ class CompiledModel(Protocol):
 
     gm: fx.GraphModule
     out_spec: pytree.TreeSpec  # rebuilds the model's output from the graph's flat outputs
-    annotations: dict[str, Any]  # "shards" and "comm_schedule", written by the passes
+    runtime: Any  # what the passes ask of the runtime (compiler.program.RuntimeNeeds): shards, comm schedule, ...
     input_names: list[str]  # the forward's parameter name of each graph input, in order
     signature: inspect.Signature | None  # the model's forward signature, to bind calls by name
 
@@ -55,8 +55,8 @@ CompileTraining = Callable[..., Callable]
 # its graph module holding the first program's Parameter objects (a collective: every rank).
 Recapture = Callable[[tuple, dict], CompiledModel]
 
-# Runtime state a second program would not share: the annotation that marks it -> the pass
-# that made it, and why.
+# Runtime state a second program would not share: the field of `program.runtime` that holds
+# it -> the pass that made it, and why.
 _STATE_OF_ONE_PROGRAM = {
     "expert_placement": ("pack_experts", "its expert placement and routing statistics are runtime state keyed by the first graph's op ids"),
     "tp_resize": ("resize_tp", "its shard widths are runtime state keyed by the first graph's op ids"),
@@ -94,10 +94,10 @@ class DistributedModule(torch.nn.Module):
         install_default(scheduler)
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         # defer_grad_sync: the all-reduce runs on into the next forward once an optimizer is attached
-        self.deferred = DeferredStep(self.grad_sync) if program.annotations.get("grad_sync") == "next_forward" else None
+        self.deferred = DeferredStep(self.grad_sync) if program.runtime.grad_sync == "next_forward" else None
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
         # resize_tp: shard widths as runtime state, set each window by the SEMI controller
-        resize = program.annotations.get("tp_resize")
+        resize = program.runtime.tp_resize
         self.straggler = make_controller(self.module, resize, scheduler, plan.topology, plan.topology.tp_index(scheduler.rank)) if resize else None
         if self.straggler is not None:  # the units this rank computes for another (resize_tp unit migration): parameters too
             self.tp_slots = self.straggler.resizer.slots
@@ -112,7 +112,7 @@ class DistributedModule(torch.nn.Module):
         self._captures = {frozenset(program.input_names): Captured(program, self.module, self.grad_sync, self._compiled)}
         self.max_captures = 4
         # Packed layers (pack_experts): their placement and routing statistics, by op id.
-        self.packing = program.annotations.get("expert_placement", {})
+        self.packing = program.runtime.expert_placement
         self.placements = placements_of(scheduler)
         for op_id, spec in self.packing.items():
             self.placements.get(op_id, spec["num_experts"], spec["ranks"]).weights = list(spec["weights"])
@@ -195,7 +195,7 @@ class DistributedModule(torch.nn.Module):
         """(pass, why) when a pass's runtime state could not be shared by a second program."""
         if self.deferred is not None:
             return "defer_grad_sync", "the gradients it leaves on the wire and the steps they owe belong to the first graph's gradient sync"
-        return next((refusal for key, refusal in _STATE_OF_ONE_PROGRAM.items() if self.program.annotations.get(key)), None)
+        return next((refusal for key, refusal in _STATE_OF_ONE_PROGRAM.items() if getattr(self.program.runtime, key)), None)
 
     def _forward_without_rows(self, inputs: tuple[torch.Tensor, ...], captured: Captured | None = None) -> Any:
         """This rank has no rows this step (a global batch smaller than the world). It still
@@ -365,14 +365,14 @@ def bind_call(program: CompiledModel, args: tuple, kwargs: dict) -> dict[str, An
 
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
-    """Apply `program`'s comm schedule (`annotations["comm_schedule"]`, set by partition_a2a)
-    and all-to-all algorithm (`annotations["a2a_algorithm"]`) to `scheduler` (priority on or off) and return the gradient sync for `named_params`
-    (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
-    shards = program.annotations.get("shards", {})
-    schedule = program.annotations.get("comm_schedule", {})
-    reduced_in_graph = set(program.annotations.get("reduced_in_graph", ()))  # e.g. sparse embedding exchange
-    scheduler.dispatcher.enforce_priority = bool(schedule.get("priority", False))
-    scheduler.a2a_algorithm = program.annotations.get("a2a_algorithm", "flat")  # set by the hierarchical_a2a pass
+    """Apply `program`'s comm schedule (set by partition_a2a) and all-to-all algorithm (set by
+    hierarchical_a2a) to `scheduler` (priority on or off) and return the gradient sync for
+    `named_params` (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
+    needs = program.runtime
+    shards, schedule = needs.shards, needs.comm_schedule
+    reduced_in_graph = set(needs.reduced_in_graph)  # e.g. sparse embedding exchange
+    scheduler.dispatcher.enforce_priority = schedule.priority
+    scheduler.a2a_algorithm = needs.a2a_algorithm
     slots = [
         Slot(name, param, None if name in reduced_in_graph else group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
@@ -384,5 +384,5 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
         scale=plan.grad_scale,
         scales=scales,
         bucket_bytes=plan.grad_bucket_bytes,
-        chunk_bytes=schedule.get("grad_chunk_bytes", 0),
+        chunk_bytes=schedule.grad_chunk_bytes,
     )

@@ -45,11 +45,12 @@ PP = "pp"
 
 
 class StagedModel(Protocol):
-    """What the runtime needs of a split program (the compiler's Program with a `pipeline`
-    annotation: compiler.stages.Pipeline)."""
+    """What the runtime needs of a split program (the compiler's Program, its
+    `regions.pipeline` a compiler.stages.Pipeline)."""
 
     out_spec: pytree.TreeSpec
-    annotations: dict[str, Any]
+    regions: Any
+    runtime: Any
     input_names: list[str]
     signature: inspect.Signature | None
 
@@ -89,7 +90,7 @@ class PipelineModule(torch.nn.Module):
         self.placement = placement
         self._compile_training = compile_training
         install_default(scheduler)
-        pipeline = program.annotations["pipeline"]
+        pipeline = program.regions.pipeline
         self.pipeline = pipeline
         self.stage_index, self.dp_index, _ = plan.topology.coordinates(scheduler.rank)
         self.stage = pipeline.stages[self.stage_index]
@@ -279,7 +280,7 @@ class PipelineModule(torch.nn.Module):
     # -- gradients across replicas and stages ---------------------------------------------
 
     def _gradient_syncs(self) -> tuple[GradientSync, GradientSync | None]:
-        shards = self.program.annotations.get("shards", {})
+        shards = self.program.runtime.shards
         shared = self.pipeline.shared
         for name, stages in shared.items():
             if sorted(stages) != [0, self.num_stages - 1]:
