@@ -22,7 +22,7 @@ from commfx.compiler.pipeline import compile_program
 from commfx.kernels.powersgd import lowrank_residual_reference, orthogonalize_reference
 from commfx.models import load_model
 from commfx.ops.compress import LowRankCodec
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.plan import Plan, PlanError
 from commfx.runtime.launcher import launch
 from commfx.verify import VerifyCase, verify

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from commfx.models import load_model
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.plan import Plan, PlanError
 from commfx.runtime.launcher import launch
 

@@ -13,8 +13,8 @@ from commfx.api import compile_program
 from commfx.compiler.lower import lower
 from commfx.compiler.render import render
 from commfx.models import load_model
-from commfx.passes import check_plan
-from commfx.passes.embedding_cost import choose, estimate
+from commfx.compiler.pass_manager import check_plan
+from commfx.cost.embedding import choose, estimate
 from commfx.plan import Plan, PlanError, Topology
 from commfx.runtime.comm import install_default, local_scheduler
 from commfx.runtime.launcher import launch

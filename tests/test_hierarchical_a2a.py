@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.plan import Plan, PlanError
 from commfx.runtime.hierarchical_a2a import NodeLayout, unique_rows
 from commfx.verify import VerifyCase, verify

@@ -14,7 +14,7 @@ from commfx.compiler.render import render
 from commfx.models import load_model
 from commfx.models.gpt_moe import GPTMoE, GPTMoEConfig
 from commfx.ops import locality
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.plan import Plan, PlanError
 
 commfx_ops = torch.ops.commfx

@@ -10,7 +10,8 @@ import torch
 
 from commfx.api import compile_program
 from commfx.models import build_gpt_moe
-from commfx.passes import PassError, check_plan
+from commfx.compiler.pass_manager import check_plan
+from commfx.passes import PassError
 from commfx.plan import Plan, PlanError
 from commfx.verify import VerifyCase, verify
 from test_golden import check_golden, rendered
@@ -149,7 +150,7 @@ def test_partition_k_auto_sizes_chunks_for_one_micro_batch():
     """k=auto before microbatch_overlap:n=2 chooses the k for half the tokens: on the bench's
     link (100 Mbit/s, 5 ms per collective) 4 chunks for a whole rank's 1,024 tokens, 2 for
     one micro-batch's 512 (RESULTS 5e's tuned choice)."""
-    from commfx.passes.cost_model import MoERegion, choose_chunks
+    from commfx.cost.moe import MoERegion, choose_chunks
 
     model, inputs = build_gpt_moe(batch=16, seq=64, max_seq=64, hidden_size=128, num_experts=8, expert_hidden=1024)
     topology = dict(ranks_per_node=1, inter_node_bandwidth=100e6 / 8, collective_overhead_s=5e-3, flops_per_s=2e10)

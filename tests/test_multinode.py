@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.plan import Plan, PlanError, Topology
 
 ROOT = Path(__file__).resolve().parent.parent

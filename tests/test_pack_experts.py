@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commfx.ops  # noqa: F401
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.plan import Plan, PlanError
 from commfx.verify import VerifyCase, verify
 
@@ -247,7 +247,7 @@ def test_the_cost_model_packs_more_experts_per_device_when_the_all_to_all_outlas
     """16 ranks, 8 per node, 16 experts. At one expert per device the all-to-all crosses nodes and
     outlasts the compute; two per device keep it inside a node, where the compute covers it.
     With compute 100x slower, one per device is covered already, and packing is not worth it."""
-    from commfx.passes.cost_model import MoERegion, packing_degree
+    from commfx.cost.moe import MoERegion, packing_degree
     from commfx.plan import Topology
 
     region = MoERegion(tokens=512, hidden=1024, expert_hidden=2048, top_k=2, num_experts=16, dtype_bytes=2)

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 import commfx.ops  # noqa: F401
 from commfx.api import compile_program
 from commfx.compiler.program import CommSchedule
-from commfx.passes.cost_model import (
+from commfx.cost.moe import (
     STEP_TIME, B, F, MoERegion, alpha, beta, choose_chunks, gamma, grad_chunk_bytes, k, phi, predicted_times, region_time,
 )
 from commfx.models import load_model
-from commfx.passes import check_plan, plan_options
+from commfx.compiler.pass_manager import check_plan
+from commfx.passes import plan_options
 from commfx.plan import Plan, PlanError, Topology
 
 commfx = torch.ops.commfx
@@ -201,7 +202,8 @@ def test_auto_k_without_a_token_count_is_an_error():
 
 
 def test_verifier_rejects_an_unregistered_priority_class():
-    from commfx.passes import PassError, verify_graph
+    from commfx.compiler.graph_checks import verify_graph
+    from commfx.passes import PassError
 
     program, plan = _distributed_program()
     a2a = next(n for n in program.graph.nodes if n.target is commfx.all_to_all.default)

@@ -15,7 +15,7 @@ import torch
 from commfx.compiler.pipeline import compile_program
 from commfx.compiler.render import render_pipeline
 from commfx.models import load_model
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.passes.base import PassError
 from commfx.passes.pipeline_split import balance_by_count, balance_by_flops, find_layers
 from commfx.plan import Plan, PlanError, Topology

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from commfx.models import load_model
-from commfx.passes import check_plan, plan_options
+from commfx.compiler.pass_manager import check_plan
+from commfx.passes import plan_options
 from commfx.plan import PassSpec, Plan, PlanError, Topology
 
 

@@ -9,7 +9,7 @@ import torch
 
 from commfx.compiler.pipeline import compile_program
 from commfx.models import load_model
-from commfx.passes.base import no_op_passes, rewrite_census
+from commfx.compiler.pass_manager import no_op_passes, rewrite_census
 from commfx.passes.partition_a2a import PartitionA2A
 from commfx.plan import Plan
 from commfx.verify import VerifyCase, VerifyReport

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from commfx.compiler.render import render
 from commfx.models import NextTokenLoss
-from commfx.passes import check_plan
+from commfx.compiler.pass_manager import check_plan
 from commfx.passes.base import PassError
-from commfx.passes.embedding_cost import choose, estimate_head
+from commfx.cost.embedding import choose, estimate_head
 from commfx.plan import Plan, PlanError, Topology
 from commfx.runtime.launcher import launch
 from commfx.verify import VerifyCase, verify

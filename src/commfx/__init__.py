@@ -2,7 +2,7 @@
 
 from .api import compile_program, distribute
 from .backend import backend  # the function; the module stays importable as commfx.backend
-from .passes import check_plan
+from .compiler.pass_manager import check_plan
 from .plan import PassSpec, Plan, PlanError, Topology
 
 __version__ = "0.1.0"

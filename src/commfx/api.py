@@ -15,7 +15,7 @@ from .compiler.lower import compile_training
 from .compiler.pipeline import compile_program
 from .compiler.program import Program
 from .compiler.sharding import shard_parameters
-from .passes import check_plan
+from .compiler.pass_manager import check_plan
 from .plan import Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.executor import is_collective

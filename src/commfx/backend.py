@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 from .compiler.capture import to_fx_convention, tokens_of
 from .compiler.lower import compile_training
 from .compiler.program import Program
-from .passes import check_plan, run_passes
+from .compiler.pass_manager import check_plan, run_passes
 from .plan import PassSpec, Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
 from .runtime.eager_grads import EagerGradientSync

@@ -31,7 +31,7 @@ import torch
 from .models import load_model
 from .models.hf import choose_experts_implementation, training_forward
 from .passes import plan_options
-from .passes.base import no_op_passes, rewrite_census
+from .compiler.pass_manager import no_op_passes, rewrite_census
 from .plan import Plan
 
 DEFAULT_TOLERANCE = 1e-10

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..passes.base import PassObserver, check_plan, run_passes
+from .pass_manager import PassObserver, check_plan, run_passes
 from ..plan import Plan
 from .capture import capture
 from .program import Program

@@ -20,6 +20,10 @@ from torch.utils import _pytree as pytree
 from .regions import Regions
 
 
+class PassError(RuntimeError):
+    """A pass cannot apply to this graph (the message says why and what to do)."""
+
+
 @dataclass
 class CommSchedule:
     """How the runtime orders collectives (partition_a2a): whether all-to-all pre-empts

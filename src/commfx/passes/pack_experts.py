@@ -37,7 +37,7 @@ from ..compiler.regions import MoEBlock, PackedExchange
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
-from .cost_model import MoERegion, packing_degree
+from ..cost.moe import MoERegion, packing_degree
 
 commfx = torch.ops.commfx
 PASS = "pack_experts"

@@ -26,7 +26,7 @@ import operator
 
 import torch
 
-from .cost_model import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
+from ..cost.moe import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
 from ..plan import Plan, PlanError
 from ..compiler.program import CommSchedule, Program, stamp
 from ..compiler.regions import MoEBlock

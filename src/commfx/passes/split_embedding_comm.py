@@ -11,7 +11,7 @@ An untied LM head whose logits feed only the loss (`lift_heads`) is the output t
 gradient is dense, but it is computed from the tokens' hidden states, which are small, so
 `head=shard` splits it over the vocabulary (`ops/vocab_parallel.py`) and its gradient is
 never all-reduced; `head=auto` picks by the same cost model, `head=dense` keeps it.
-`embedding_cost` picks per table from vocabulary, width, tokens per rank, world and the
+`cost.embedding` picks per table from vocabulary, width, tokens per rank, world and the
 plan's link figures (`strategy=auto`), and the lookup's dump comment shows the numbers.
 Gradients stay what dense data parallelism computes (sum over ranks, times the plan's
 scale), so SGD, Adam and AdamW as torch defines them give the same parameters.
@@ -31,7 +31,7 @@ from ..compiler.regions import EmbeddingTable, LMHead
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
-from .embedding_cost import STRATEGIES, Estimate, choose, estimate, estimate_head, shard_problem
+from ..cost.embedding import STRATEGIES, Estimate, choose, estimate, estimate_head, shard_problem
 
 commfx = torch.ops.commfx
 PASS = "split_embedding_comm"

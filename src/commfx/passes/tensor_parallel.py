@@ -33,7 +33,7 @@ from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, divisors
 from .base import Pass, PassError, register
 from .tp_blocks import Block, NotABlock, bias_of, is_linear, plan_block, regions_innermost_first
-from .tp_shard_rules import Sizes, Unsupported
+from ..compiler.shard_propagation import Sizes, Unsupported
 from .tp_units import unit_function
 
 commfx = torch.ops.commfx

@@ -1,6 +1,6 @@
 """How tensor_parallel finds a block: a module whose linears are column-parallel ones
 reading the block's input and one row-parallel linear producing its output, and whose ops
-in between keep the split dimension apart (`tp_shard_rules`). `plan_block` returns the
+in between keep the split dimension apart (`compiler.shard_propagation`). `plan_block` returns the
 `Block`: its linears, their layouts, where the replicated input enters, and the literal
 sizes to make local; the tensor_parallel pass rewrites it, and `tp_units` plans it again
 one unit at a time.
@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.program import module_paths
-from .tp_shard_rules import ELEMENTWISE, SHARD_RULES, RuleContext, Shard, Sizes, Unsupported, dim_arg, ndim_of, needs_grad, op_name, shape_of
+from ..compiler.shard_propagation import ELEMENTWISE, SHARD_RULES, RuleContext, Shard, Sizes, Unsupported, dim_arg, ndim_of, needs_grad, op_name, shape_of
 
 
 @dataclass

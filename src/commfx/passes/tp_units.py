@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..compiler.rewrite import Rewriter
 from .tp_blocks import Block, NotABlock, bias_of, plan_block
-from .tp_shard_rules import Sizes, Unsupported
+from ..compiler.shard_propagation import Sizes, Unsupported
 
 
 UNIT_BLOCKS = 8  # an MLP's unit: its intermediate columns on one rank in about this many blocks

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ... import ops  # noqa: F401  (registers torch.ops.commfx)
 from ...compiler.rewrite import Rewriter
-from ..base import verify_waits
+from ...compiler.graph_checks import verify_waits
 
 commfx = torch.ops.commfx
 

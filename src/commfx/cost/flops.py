@@ -1,0 +1,40 @@
+"""FLOPs of a traced node from its shapes: what balance_by_flops (pipeline_split) weighs
+stages by."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+
+def node_flops(node: fx.Node) -> float:
+    """A matmul-family node's FLOPs from its traced shapes (2 x output elements x the
+    contracted size); other nodes count as free."""
+    name = getattr(node.target, "__name__", str(node.target))
+    value = node.meta.get("example_value")
+    if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
+        return 0.0
+    first = node.args[0].meta.get("example_value") if node.args and isinstance(node.args[0], fx.Node) else None
+    if name in ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm") and isinstance(first, torch.Tensor):
+        return 2.0 * _numel(value) * hint(first.shape[-1])
+    if name == "scaled_dot_product_attention" and isinstance(first, torch.Tensor):
+        return 4.0 * _numel(first) * hint(first.shape[-2])
+    if name.startswith("expert_ffn"):
+        gate_up = node.args[2].meta.get("example_value") if isinstance(node.args[2], fx.Node) else None
+        if isinstance(gate_up, torch.Tensor) and isinstance(first, torch.Tensor):
+            return 2.0 * hint(first.shape[0]) * 1.5 * hint(gate_up.shape[1]) * hint(gate_up.shape[2])
+    return 0.0
+
+
+def hint(size) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 1
+    return int(size)
+
+
+def _numel(t: torch.Tensor) -> int:
+    n = 1
+    for size in t.shape:
+        n *= hint(size)
+    return n
