@@ -24,7 +24,7 @@ CASES = [
         {"pack_experts": {"commfx.rank_dispatch": 2}, "partition_a2a": {"commfx.split_chunks": 2}, "microbatch_overlap": {"tensor_split": 1}},
     ),
     ("hf:olmoe", "lift,expert_parallel,split_embedding_comm:strategy=sparse", {}, {"split_embedding_comm": {"sparse tables": 1}}),
-    ("hf:qwen2_moe", "lift,expert_parallel,hierarchical_a2a", {"ranks_per_node": 1}, {"hierarchical_a2a": {"hierarchical all-to-all": 1}}),
+    ("hf:qwen2_moe", "lift,expert_parallel,hierarchical_a2a", {"ranks_per_node": 1}, {"hierarchical_a2a": {"a2a_algorithm: hierarchical": 1}}),
     (
         "hf:mixtral",
         "lift,pipeline_split:microbatches=2,compress_pipeline:rank=32;epilogue_only=false",

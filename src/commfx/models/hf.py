@@ -25,6 +25,10 @@ import torch
 _GROUPED_EXPERTS = dict(
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0
 )
+# Qwen2-MoE and Qwen3-MoE share their MoE settings (tiny).
+_QWEN_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+)
 _MLA_ATTENTION = dict(
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4
 )
@@ -77,28 +81,8 @@ HF_FAMILIES: dict[str, HFFamily] = {
     "mixtral": HFFamily(
         dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None)
     ),
-    "qwen2_moe": HFFamily(
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
-    ),
-    "qwen3_moe": HFFamily(
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            head_dim=8,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
-    ),
+    "qwen2_moe": HFFamily({**_QWEN_MOE, "shared_expert_intermediate_size": 32}),
+    "qwen3_moe": HFFamily({**_QWEN_MOE, "head_dim": 8}),
     "olmoe": HFFamily(dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16)),
     # 8 experts in 4 groups of 2, tokens may use 2 groups: group-limited routing really prunes.
     # The router's group score is the sum of the top-2 scores of a group, so groups need >= 2 experts.
@@ -120,12 +104,7 @@ HF_FAMILIES: dict[str, HFFamily] = {
             sliding_window=4,
             # HF's YaRN defaults, with the pre-YaRN context scaled so factor * it == max positions.
             rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=150000.0,
-                factor=32.0,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=False,
+                rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                 original_max_position_embeddings=2,
             ),
         ),
@@ -133,14 +112,7 @@ HF_FAMILIES: dict[str, HFFamily] = {
     ),
     # Router weight and correction bias kept in float32 by HF; shared experts; MoE from layer 0.
     "ernie4_5_moe": HFFamily(
-        dict(
-            moe_num_experts=4,
-            moe_k=2,
-            moe_intermediate_size=16,
-            moe_num_shared_experts=1,
-            moe_layer_start_index=0,
-            moe_layer_interval=1,
-        )
+        dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1, moe_layer_start_index=0, moe_layer_interval=1)
     ),
     # MoE lives at `block_sparse_moe` with its router at `.router`.
     "granitemoe": HFFamily(dict(num_local_experts=4, num_experts_per_tok=2)),

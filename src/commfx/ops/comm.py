@@ -37,7 +37,7 @@ def _(x, send_counts, recv_counts, group, priority="a2a", tag=""):
     return x.new_empty((rows, *x.shape[1:]))
 
 
-def _all_to_all_setup(ctx, inputs, output):
+def all_to_all_setup(ctx, inputs, output):
     _, send_counts, recv_counts, group, priority, tag = inputs
     ctx.save_for_backward(send_counts, recv_counts)
     ctx.group, ctx.priority, ctx.tag = group, priority, tag
@@ -50,7 +50,7 @@ def _all_to_all_backward(ctx, grad):
     return all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group, ctx.priority, tag), None, None, None, None, None
 
 
-all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+all_to_all.register_autograd(_all_to_all_backward, setup_context=all_to_all_setup)
 
 
 @torch.library.custom_op("commfx::exchange_counts", mutates_args=())

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.embedding import accumulate_rows, coalesce_rows
+from .comm import all_to_all_setup
 from ..runtime.comm import current_scheduler
 
 KIND = "embedding_all_to_all"  # what the scheduler counts embedding bytes under
@@ -183,19 +184,13 @@ def _(x, send_counts, recv_counts, group, priority, tag):
     return x.new_empty((torch.library.get_ctx().new_dynamic_size(), *x.shape[1:]))
 
 
-def _a2a_setup(ctx, inputs, output):
-    _, send_counts, recv_counts, group, priority, tag = inputs
-    ctx.save_for_backward(send_counts, recv_counts)
-    ctx.group, ctx.priority, ctx.tag = group, priority, tag
-
-
 def _a2a_backward(ctx, grad):
     send_counts, recv_counts = ctx.saved_tensors
     back = embedding_all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group, ctx.priority, f"{ctx.tag} (bw)")
     return back, None, None, None, None, None
 
 
-embedding_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+embedding_all_to_all.register_autograd(_a2a_backward, setup_context=all_to_all_setup)  # the same arguments as commfx.all_to_all
 
 
 @torch.library.custom_op("commfx::local_rows", mutates_args=())

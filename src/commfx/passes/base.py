@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from ..compiler.program import PassError, Program
 from ..plan import PassSpec, Plan, PlanError
 
-__all__ = ["INTERLEAVED", "REGISTRY", "Pass", "PassError", "build_options", "get_pass", "plan_options", "register", "written"]
+__all__ = ["INTERLEAVED", "REGISTRY", "Pass", "RuntimeSetting", "PassError", "build_options", "get_pass", "plan_options", "register", "written"]
 
 
 INTERLEAVED = "micro-batches interleaved"
@@ -31,6 +31,7 @@ class Pass:
     # facts under which this pass cannot run -> why. A graph cut into micro-batches holds
     # each region once per micro-batch, which a pass written for one copy would half rewrite.
     refuses: ClassVar[dict[str, str]] = {INTERLEAVED: "microbatch_overlap copies the graph per micro-batch, so it comes last"}
+    rewrites: ClassVar[tuple[str, ...]] = ()  # the fields of program.regions the pass works on
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -60,10 +61,11 @@ class Pass:
 
     @classmethod
     def applies(cls, program: Program) -> bool:
-        """Whether this graph has anything for the pass to rewrite. torch.compile hands the
-        backend every graph of a model (HF mask and loss code, the user's own); those without
-        e.g. an MoE block skip the MoE passes instead of failing."""
-        return True
+        """Whether this graph has anything for the pass to rewrite: any of the regions it
+        names in `rewrites` (all graphs when it names none). torch.compile hands the backend
+        every graph of a model (HF mask and loss code, the user's own); those without e.g. an
+        MoE block skip the MoE passes instead of failing."""
+        return not cls.rewrites or any(getattr(program.regions, region) for region in cls.rewrites)
 
     @classmethod
     def evidence(cls, program: Program, options: Any) -> dict[str, int]:
@@ -87,6 +89,34 @@ class Pass:
         return doc[0] if doc else ""
 
 
+class RuntimeSetting(Pass):
+    """A pass whose whole work is one field of `program.runtime` (the graph is unchanged, so
+    it may follow any pass): `setting` names the field, `value(options)` sets it and
+    `note(options)` says in `commfx dump` what the runtime will do."""
+
+    setting: ClassVar[str]
+    refuses = {}
+
+    @classmethod
+    def value(cls, options: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def note(cls, options: Any) -> str | None:
+        return None
+
+    @classmethod
+    def evidence(cls, program: Program, options: Any) -> dict[str, int]:
+        return {f"{cls.setting}: {getattr(program.runtime, cls.setting)}": 1}
+
+    def run(self, program: Program, options: Any, plan: Plan) -> bool:
+        setattr(program.runtime, self.setting, self.value(options))
+        note = self.note(options)
+        if note:
+            program.notes.append(f"{self.name}: {note}")
+        return False
+
+
 REGISTRY: dict[str, type[Pass]] = {}
 
 
@@ -105,11 +135,23 @@ def _op_name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def register(cls: type[Pass]) -> type[Pass]:
-    if cls.name in REGISTRY:
-        raise ValueError(f"pass {cls.name!r} registered twice")
-    REGISTRY[cls.name] = cls
-    return cls
+FACT_LISTS = ("requires", "ensures", "rewrites")  # declared as one string or a tuple
+
+
+def register(name: str, **declared: Any) -> Callable[[type[Pass]], type[Pass]]:
+    """`@register("partition_a2a", requires=..., ensures=..., rewrites=...)`: the pass's
+    name and facts, declared once where the pass is registered (a string for one fact)."""
+
+    def add(cls: type[Pass]) -> type[Pass]:
+        if name in REGISTRY:
+            raise ValueError(f"pass {name!r} registered twice")
+        cls.name = name
+        for key, value in declared.items():
+            setattr(cls, key, (value,) if isinstance(value, str) and key in FACT_LISTS else value)
+        REGISTRY[name] = cls
+        return cls
+
+    return add
 
 
 def get_pass(name: str) -> type[Pass]:

@@ -21,16 +21,13 @@ from .base import Pass, register
 PASS = "compress_pipeline"
 
 
-@register
+@register(PASS, requires="pipeline split")
 class CompressPipeline(Pass):
     """Optimus-CC: low-rank (PowerSGD) backward traffic between pipeline stages, epilogue only.
 
     Each boundary gets a codec the runtime calls (ops/compress.py); options pick the rank,
     lazy error propagation, epilogue-only sends, the fused tied-embedding sync, and the boundaries.
     """
-
-    name = PASS
-    requires = ("pipeline split",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:

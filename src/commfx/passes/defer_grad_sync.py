@@ -22,23 +22,28 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..compiler.program import Program
 from ..plan import Plan, PlanError
-from .base import Pass, register
+from .base import RuntimeSetting, register
 
 PASS = "defer_grad_sync"
 
 
-@register
-class DeferGradSync(Pass):
+@register(PASS, setting="grad_sync")
+class DeferGradSync(RuntimeSetting):
     """Gradient all-reduce overlaps the next forward; each parameter updated at its first use."""
-
-    name = PASS
-    refuses = {}  # it changes no node: it may follow microbatch_overlap
 
     @dataclasses.dataclass(frozen=True)
     class Options:
         enabled: bool = True
+
+    @classmethod
+    def value(cls, options: Options) -> str:
+        return "next_forward" if options.enabled else "backward"
+
+    @classmethod
+    def note(cls, options: Options) -> str | None:
+        return ("the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is "
+                "called; each parameter is stepped just before its first use there") if options.enabled else None
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -52,16 +57,3 @@ class DeferGradSync(Pass):
                 "defer_grad_sync does not work with resize_tp yet: both act between optimizer steps (a migration moves "
                 "optimizer state that a deferred step has still to update); drop one of them"
             )
-
-    @classmethod
-    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
-        return {f"gradient sync: {program.runtime.grad_sync}": 1}
-
-    def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        program.runtime.grad_sync = "next_forward" if options.enabled else "backward"
-        if options.enabled:
-            program.notes.append(
-                f"{PASS}: the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is "
-                "called; each parameter is stepped just before its first use there"
-            )
-        return False

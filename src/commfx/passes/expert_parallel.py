@@ -30,21 +30,13 @@ commfx = torch.ops.commfx
 PASS = "expert_parallel"
 
 
-@register
+@register(PASS, rewrites=("moe_blocks", "unmatched_moe"), requires="moe lifted", ensures="expert parallel")
 class ExpertParallel(Pass):
     """Shard experts over ranks; route tokens with (uneven) all-to-all.
 
     (GShard / Switch-style expert parallelism; the substrate Lina and LocMoE build on.)
+    It also runs on a graph with MoE-looking modules no recogniser matched, to name them.
     """
-
-    name = PASS
-    requires = ("moe lifted",)
-    ensures = ("expert parallel",)
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        # A graph with MoE-looking modules no recogniser matched is not skipped: run() names them.
-        return bool(program.regions.moe_blocks or program.regions.unmatched_moe)
 
     @classmethod
     def capacity_factor(cls, options) -> float:

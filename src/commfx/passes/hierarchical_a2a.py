@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..compiler.program import Program
 from ..plan import Plan, PlanError, Topology
-from .base import Pass, register
+from .base import RuntimeSetting, register
 
 PASS = "hierarchical_a2a"
 
@@ -25,20 +24,13 @@ def node_count(topology: Topology) -> int:
     return len({topology.node_of(r) for r in range(ep)})
 
 
-@register
-class HierarchicalA2A(Pass):
+@register(PASS, rewrites="moe_blocks", requires="expert parallel", setting="a2a_algorithm")
+class HierarchicalA2A(RuntimeSetting):
     """All-to-all in two levels: once per remote node, then forwarded inside it (DeepEP, Tutel 2DH)."""
-
-    name = PASS
-    requires = ("expert parallel",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
         enabled: bool = True  # false: the flat all-to-all (one all_to_all_single)
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        return bool(program.regions.moe_blocks)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -52,9 +44,5 @@ class HierarchicalA2A(Pass):
             )
 
     @classmethod
-    def evidence(cls, program: Program, options: Options) -> dict[str, int]:
-        return {f"{program.runtime.a2a_algorithm} all-to-all": 1}
-
-    def run(self, program: Program, options: Options, plan: Plan) -> bool:
-        program.runtime.a2a_algorithm = "hierarchical" if options.enabled else "flat"
-        return False
+    def value(cls, options: Options) -> str:
+        return "hierarchical" if options.enabled else "flat"

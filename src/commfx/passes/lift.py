@@ -111,7 +111,7 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, Experts
 # ---------------------------------------------------------------------------- the pass
 
 
-@register
+@register("lift", ensures=("moe lifted", "embeddings lifted"))
 class Lift(Pass):
     """Spell MoE blocks (router, experts) with canonical commfx ops; enabling pass.
 
@@ -119,9 +119,6 @@ class Lift(Pass):
     Embedding lookups become commfx.embedding (recognisers in lift_embeddings.py); an LM head
     whose logits feed only a cross-entropy loss is recorded for split_embedding_comm (lift_heads.py).
     """
-
-    name = "lift"
-    ensures = ("moe lifted", "embeddings lifted")
 
     @dataclasses.dataclass(frozen=True)
     class Options:

@@ -66,13 +66,9 @@ def routing_weights(probs: torch.Tensor, indices: torch.Tensor, normalize: bool)
     return picked / picked.sum(-1, keepdim=True) if normalize else picked
 
 
-@register
+@register(PASS, rewrites="moe_blocks", requires="moe lifted", ensures="locality gate")
 class LocalityGate(Pass):
     """Node-local top-k routing with balance and locality losses (LocMoE; DeepSeek-V3 node limit)."""
-
-    name = PASS
-    requires = ("moe lifted",)
-    ensures = ("locality gate",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -82,10 +78,6 @@ class LocalityGate(Pass):
         alpha: float = 0.01  # load-balancing loss weight (0: off)
         mu: float = 0.01  # locality loss weight (0: off)
         balance: float = 1.2  # no expert takes more than this x its node's mean rows (0: off; balanced_topk)
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        return bool(program.regions.moe_blocks)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:

@@ -44,35 +44,27 @@ PASS = "microbatch_overlap"
 CONTROL_CLASS = "ctl"
 register_priority_class(CONTROL_CLASS, -10, "count exchanges of overlapped micro-batches: ahead of the other's rows (microbatch_overlap)", groups=("ep",))
 
+# Facts of graphs whose state or statistics span the whole batch, or that this pass does not handle yet.
+REFUSED = {
+    "pipeline split": "pipeline stages already run micro-batches",
+    "tensor parallel": "its all-reduces are not interleaved yet",
+    "locality gate": "its capacity floor is measured on the whole batch",
+    "embedding comm": "its embedding exchange is not interleaved yet",
+    "capacity routing": "capacity is counted per micro-batch, so other tokens would be dropped than without it; "
+                        "use dropless routing (capacity_factor=0)",
+}
 
 
-@register
+@register(PASS, rewrites="moe_blocks", requires="expert parallel", ensures=INTERLEAVED, refuses=REFUSED)
 class MicrobatchOverlap(Pass):
     """Interleave micro-batches so one's all-to-all overlaps another's attention and experts.
 
     (DeepSeek-V3 technical report, 2024: two-micro-batch overlap.)
     """
 
-    name = PASS
-    requires = ("expert parallel",)
-    ensures = (INTERLEAVED,)
-    # Graphs whose state or statistics span the whole batch, or that this pass does not handle yet.
-    refuses = {
-        "pipeline split": "pipeline stages already run micro-batches",
-        "tensor parallel": "its all-reduces are not interleaved yet",
-        "locality gate": "its capacity floor is measured on the whole batch",
-        "embedding comm": "its embedding exchange is not interleaved yet",
-        "capacity routing": "capacity is counted per micro-batch, so other tokens would be dropped than without it; "
-                            "use dropless routing (capacity_factor=0)",
-    }
-
     @dataclasses.dataclass(frozen=True)
     class Options:
         n: int = 2  # micro-batches per rank
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        return bool(program.regions.moe_blocks)
 
     @classmethod
     def micro_batches(cls, options: Options) -> int:

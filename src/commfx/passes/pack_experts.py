@@ -43,17 +43,15 @@ commfx = torch.ops.commfx
 PASS = "pack_experts"
 
 
-@register
+@register(
+    PASS, rewrites="moe_blocks", requires="expert parallel", ensures="experts packed",
+    refuses={**Pass.refuses, "all-to-all partitioned": "partition_a2a chunks the packed exchange"},
+)
 class PackExperts(Pass):
     """Send each token once per destination rank; the expert rank combines its experts.
 
     (Lina, USENIX ATC 2023.)
     """
-
-    name = PASS
-    requires = ("expert parallel",)
-    ensures = ("experts packed",)
-    refuses = {**Pass.refuses, "all-to-all partitioned": "partition_a2a chunks the packed exchange"}
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -62,10 +60,6 @@ class PackExperts(Pass):
         # experts per device: an integer (must be E / ep: set --ep), or auto (the cost model's
         # recommendation is reported by `commfx dump`; the topology's ep is kept)
         degree: str = "auto"
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        return bool(program.regions.moe_blocks)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model: torch.nn.Module | None) -> None:

@@ -38,20 +38,12 @@ commfx = torch.ops.commfx
 PASS = "partition_a2a"
 
 
-@register
+@register(PASS, rewrites="moe_blocks", requires="expert parallel", ensures="all-to-all partitioned")
 class PartitionA2A(Pass):
     """Chunk MoE all-to-alls so they overlap the experts; all-to-all before all-reduce.
 
     (Lina, USENIX ATC 2023.)
     """
-
-    name = PASS
-    requires = ("expert parallel",)
-    ensures = ("all-to-all partitioned",)
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        return bool(program.regions.moe_blocks)
 
     @dataclasses.dataclass(frozen=True)
     class Options:

@@ -39,15 +39,12 @@ BALANCES = ("layers", "flops")
 _LAYER = re.compile(r"^(.*?)\.?(\d+)$")
 
 
-@register
+@register(PASS, ensures="pipeline split")
 class PipelineSplit(Pass):
     """Cut the graph into `pp` pipeline stages with named boundaries (GPipe / 1F1B).
 
     Stages are lowered and run on their own ranks; see compiler/stages.py and runtime/pipeline/.
     """
-
-    name = PASS
-    ensures = ("pipeline split",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:

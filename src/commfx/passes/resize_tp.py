@@ -35,16 +35,12 @@ MODES = ("semi", "resize", "migrate", "off")
 MIGRATIONS = ("auto", "units", "columns")
 
 
-@register
+@register(PASS, requires="tensor parallel", ensures="resizable tensor parallel")
 class ResizeTP(Pass):
     """Straggler-tolerant tensor parallelism: resize or migrate a slow rank's shard at run time.
 
     (ZERO-resizing and SEMI-migration, arXiv 2401.11469.)
     """
-
-    name = PASS
-    requires = ("tensor parallel",)
-    ensures = ("resizable tensor parallel",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:

@@ -40,16 +40,12 @@ SHARD_SPEC = {"dim": 0, "group": SHARD_GROUP, "replicated_over": SHARD_REPLICAS}
 EMBED_PRIORITY = "a2a"
 
 
-@register
+@register(PASS, rewrites=("embeddings", "lm_heads"), requires="embeddings lifted", ensures="embedding comm")
 class SplitEmbeddingComm(Pass):
     """Sparse embedding communication per table: row-sharded all-to-all, sparse pairs, or dense.
 
     (EmbRace, ICPP 2022: sparsity-aware hybrid communication for embedding-heavy models.)
     """
-
-    name = PASS
-    requires = ("embeddings lifted",)
-    ensures = ("embedding comm",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -59,10 +55,6 @@ class SplitEmbeddingComm(Pass):
         # shards them, so row sharding is unavailable and auto picks sparse or dense.
         shard_in_graph: bool = False
         head: str = "auto"  # auto | shard | dense: the LM head (see lift_heads), split over the vocabulary or not
-
-    @classmethod
-    def applies(cls, program: Program) -> bool:
-        return bool(program.regions.embeddings or program.regions.lm_heads)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:

@@ -75,15 +75,12 @@ class TPPlan:
         return [b.line() for b in self.blocks]
 
 
-@register
+@register(PASS, ensures="tensor parallel")
 class TensorParallel(Pass):
     """Megatron column/row parallel attention (heads) and MLPs (columns) over the `tp` group.
 
     (Shoeybi et al. 2019, Megatron-LM; the substrate ZERO-resizing and migration resize.)
     """
-
-    name = PASS
-    ensures = ("tensor parallel",)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
