@@ -56,8 +56,8 @@ def check_local_world(world: int, asked: str) -> None:
 
 
 def check_output_paths(paths: dict[str, str | None], *, directories: tuple[str, ...] = ()) -> None:
-    """Every output option's path must be writable before the ranks start (it used to fail after
-    the whole run): its directory exists and is writable, or is made now. An option in
+    """Every output option's path must be writable before the ranks start, not found unwritable
+    after the whole run: its directory exists and is writable, or is made now. An option in
     `directories` names a directory itself (`bench --trace DIR`)."""
     for option, text in paths.items():
         if not text:
