@@ -65,9 +65,12 @@ def test_deferred_gradients_accumulate_over_micro_batches():
     [
         ("lift,pipeline_split,defer_grad_sync", {"pp": 2}, "defer_grad_sync does not work with pipeline_split"),
         ("lift,tensor_parallel,resize_tp,defer_grad_sync", {"tp": 2}, "defer_grad_sync does not work with resize_tp"),
+        ("lift,defer_grad_sync,pipeline_split", {"pp": 2}, "pipeline_split does not work with defer_grad_sync yet: a pipeline stage"),
+        ("lift,tensor_parallel,defer_grad_sync,resize_tp", {"tp": 2}, "resize_tp does not work with defer_grad_sync yet: both act"),
     ],
 )
 def test_defer_grad_sync_plan_errors(passes, topology, message):
+    """In either order: the facts each side refuses."""
     model, _ = load_model("gpt-moe")
     with pytest.raises(PlanError, match=message):
         check_plan(Plan.from_cli(passes, world_size=2, **topology), model)

@@ -66,20 +66,20 @@ def _check_refusals(plan: Plan, name: str, pass_cls: type[Pass], options: Any, f
     """Refuse `name` where an earlier pass established a fact it refuses: it must come
     before that pass, or, where it cannot (it needs that pass, or that pass refuses what
     `name` establishes), the two do not combine."""
-    for fact, why in pass_cls.refuses.items():
+    for fact, why in pass_cls.refused(options).items():
         if fact not in facts:
             continue
         earlier = facts[fact]
-        mutual = set(pass_cls.ensured(options)) & set(get_pass(earlier).refuses)
+        theirs = get_pass(earlier).refused(plan_options(plan, earlier))
+        mutual = set(pass_cls.ensured(options)) & set(theirs)
         if mutual and fact == INTERLEAVED:  # the earlier pass has the specific reason
-            name, earlier, why = earlier, name, get_pass(earlier).refuses[next(iter(mutual))]
+            name, earlier, why = earlier, name, theirs[next(iter(mutual))]
         if mutual or earlier in _with_prerequisites(pass_cls.requires):
             raise PlanError(f"{name} does not work with {written(plan.spec_for(earlier))} yet: {why}" + ("; drop one of them" if mutual else ""))
         names = [s.name for s in plan.passes if s.name != name]
         names.insert(names.index(earlier), name)
         fixed = ",".join(written(plan.spec_for(n)) for n in names)
         raise PlanError(f"{name} must come before {earlier} ({why}); for example --passes {fixed}")
-
 
 
 def _options_joined(specs: tuple[PassSpec, ...]) -> str:

@@ -18,10 +18,11 @@ import torch
 from ..compiler.program import PassError, Program
 from ..plan import PassSpec, Plan, PlanError
 
-__all__ = ["INTERLEAVED", "REGISTRY", "Pass", "RuntimeSetting", "PassError", "build_options", "get_pass", "plan_options", "register", "written"]
+__all__ = ["DEFERRED", "INTERLEAVED", "REGISTRY", "Pass", "RuntimeSetting", "PassError", "build_options", "get_pass", "plan_options", "register", "written"]
 
 
 INTERLEAVED = "micro-batches interleaved"
+DEFERRED = "gradient sync deferred"
 
 
 class Pass:
@@ -48,6 +49,11 @@ class Pass:
     def ensured(cls, options: Any) -> tuple[str, ...]:
         """The facts this pass establishes with these options (an option can add one)."""
         return cls.ensures
+
+    @classmethod
+    def refused(cls, options: Any) -> dict[str, str]:
+        """The facts this pass refuses with these options (an option can lift a refusal)."""
+        return cls.refuses
 
     @classmethod
     def micro_batches(cls, options: Any) -> int:

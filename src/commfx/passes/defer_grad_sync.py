@@ -22,19 +22,34 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..plan import Plan, PlanError
-from .base import RuntimeSetting, register
+from .base import DEFERRED, RuntimeSetting, register
 
 PASS = "defer_grad_sync"
 
 
-@register(PASS, setting="grad_sync")
+# Facts of graphs whose optimizer step a deferred gradient cannot wait for (those passes refuse it too).
+REFUSED = {
+    "pipeline split": "a pipeline stage steps after its last micro-batch, where nothing of the next forward is left to overlap",
+    "resizable tensor parallel": "both act between optimizer steps (a migration moves optimizer state that a deferred step "
+                                 "has still to update)",
+}
+
+
+@register(PASS, setting="grad_sync", ensures=DEFERRED, refuses=REFUSED)
 class DeferGradSync(RuntimeSetting):
     """Gradient all-reduce overlaps the next forward; each parameter updated at its first use."""
 
     @dataclasses.dataclass(frozen=True)
     class Options:
         enabled: bool = True
+
+    @classmethod
+    def ensured(cls, options: Options) -> tuple[str, ...]:
+        return cls.ensures if options.enabled else ()
+
+    @classmethod
+    def refused(cls, options: Options) -> dict[str, str]:
+        return cls.refuses if options.enabled else {}
 
     @classmethod
     def value(cls, options: Options) -> str:
@@ -44,16 +59,3 @@ class DeferGradSync(RuntimeSetting):
     def note(cls, options: Options) -> str | None:
         return ("the gradient all-reduce runs on into the next forward once dm.attach_optimizer(optimizer) is "
                 "called; each parameter is stepped just before its first use there") if options.enabled else None
-
-    @classmethod
-    def check_plan(cls, plan: Plan, options: Options, model) -> None:
-        if options.enabled and "pipeline_split" in plan.pass_names():
-            raise PlanError(
-                "defer_grad_sync does not work with pipeline_split yet: a pipeline stage steps after its last "
-                "micro-batch, where nothing of the next forward is left to overlap; drop one of them"
-            )
-        if options.enabled and "resize_tp" in plan.pass_names():
-            raise PlanError(
-                "defer_grad_sync does not work with resize_tp yet: both act between optimizer steps (a migration moves "
-                "optimizer state that a deferred step has still to update); drop one of them"
-            )

@@ -31,7 +31,8 @@ from ..compiler.program import Program, module_paths
 from ..compiler.stage_split import assign_stages, build_pipeline, parent_module
 from ..cost.flops import hint, node_flops
 from ..plan import Plan, PlanError
-from .base import Pass, PassError, register
+from .base import DEFERRED, Pass, PassError, register
+from .defer_grad_sync import REFUSED as DEFER_REFUSED
 
 PASS = "pipeline_split"
 SCHEDULES = ("1f1b", "gpipe")
@@ -39,7 +40,7 @@ BALANCES = ("layers", "flops")
 _LAYER = re.compile(r"^(.*?)\.?(\d+)$")
 
 
-@register(PASS, ensures="pipeline split")
+@register(PASS, ensures="pipeline split", refuses={**Pass.refuses, DEFERRED: DEFER_REFUSED["pipeline split"]})
 class PipelineSplit(Pass):
     """Cut the graph into `pp` pipeline stages with named boundaries (GPipe / 1F1B).
 

@@ -26,7 +26,8 @@ from ..compiler.program import Program, stamp
 from ..compiler.regions import TPBlock
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
-from .base import Pass, PassError, register
+from .base import DEFERRED, Pass, PassError, register
+from .defer_grad_sync import REFUSED as DEFER_REFUSED
 from .tensor_parallel import GROUP
 
 commfx = torch.ops.commfx
@@ -35,7 +36,7 @@ MODES = ("semi", "resize", "migrate", "off")
 MIGRATIONS = ("auto", "units", "columns")
 
 
-@register(PASS, requires="tensor parallel", ensures="resizable tensor parallel")
+@register(PASS, requires="tensor parallel", ensures="resizable tensor parallel", refuses={**Pass.refuses, DEFERRED: DEFER_REFUSED["resizable tensor parallel"]})
 class ResizeTP(Pass):
     """Straggler-tolerant tensor parallelism: resize or migrate a slow rank's shard at run time.
 
