@@ -6,8 +6,9 @@ as it goes (per layer: expert load and co-selection counts; across adjacent laye
 transition counts, how often a token of expert i next goes to expert j). Every N optimizer
 steps (`pack_experts:replace_every=N`) the runtime all-reduces the statistics, every rank
 runs the same deterministic solver (`placement.solve_slots`) on the same numbers, and
-experts whose rank changes are moved, weights and optimizer state together, so training
-goes on exactly as if nothing had moved. Placement and statistics are saved with the
+experts whose rank changes are moved, weights and optimizer state together, point to point
+from their old rank to their new one (nothing else is sent), so training goes on exactly
+as if nothing had moved. Placement and statistics are saved with the
 module's state_dict.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..plan import DEFAULT_CLASS
 from .comm import CommError, current_scheduler
 from .placement import Placement, RoutingStats, slot_ranks, solve_slots
 
@@ -94,6 +96,8 @@ def current_placements() -> Placements:
 
 # ------------------------------------------------------------------------------ re-placement
 
+MOVE_KIND = "expert_move"  # what the comm stats call the moved experts' traffic
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -103,16 +107,22 @@ class Decision:
     colocated_after: float
     max_load: float
     bound: float
+    sent_bytes: int = 0  # what this rank sent of this layer's moved experts (weights and optimizer state)
+    step: int = -1  # the optimizer step it followed (-1: not given)
 
 
-def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, balance: float) -> list[Decision]:
+def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, balance: float,
+                    step: int = -1) -> list[Decision]:
     """Re-place every layer from the all-reduced statistics and move what changed.
 
     Collective: every rank calls it at the same point (after the same optimizer step), in
-    op-id order. Expert weights (and each optimizer state tensor shaped like them: Adam's
-    moments, momentum) move over the expert-parallel group; statistics restart from zero.
+    op-id order. Only experts whose rank changes travel, with every optimizer state tensor
+    shaped like their weights (Adam's moments, momentum), point to point from the old owner
+    to the new one over the expert-parallel group (`move_experts`); statistics restart from
+    zero.
     """
-    decisions = []
+    decisions, moves = [], []
+    rank = scheduler.group("ep").rank
     for op_id in sorted(placements.layers):
         layer = placements.layers[op_id]
         experts = layer.num_experts
@@ -124,34 +134,110 @@ def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, 
         current = slot_ranks(layer.slot_of, layer.ranks)
         before = Placement(tuple(int(r) for r in current), layer.ranks).colocated(summed.co_selected)
         moved = int((slot_ranks(solution.slot_of, layer.ranks) != current).sum())
+        plan = plan_move(layer.slot_of, solution.slot_of, layer.ranks, rank)
+        if not plan.unchanged:
+            moves.append((layer, plan))
         if moved:
-            _move_experts(layer, solution.slot_of, scheduler, module, optimizer)
             layer.replacements += 1
+        sent = sum(_row_bytes(t) * len(rows) for t in _moving_tensors(layer, module, optimizer) for rows in plan.send.values())
         layer.slot_of = solution.slot_of
         layer.stats = RoutingStats(layer.num_experts)
-        decisions.append(Decision(op_id, moved, before, solution.colocated, solution.max_load, solution.bound))
+        decisions.append(Decision(op_id, moved, before, solution.colocated, solution.max_load, solution.bound, sent, step))
+    if moves:
+        move_experts(moves, scheduler, module, optimizer)
     return decisions
 
 
-def _move_experts(layer: ExpertPlacement, new_slot_of: torch.Tensor, scheduler, module: torch.nn.Module, optimizer) -> None:
-    """Rewrite this rank's expert shards (and their optimizer state) for `new_slot_of`.
+@dataclass(frozen=True)
+class MovePlan:
+    """One layer's re-placement as one rank of the ep group sees it (rows are this rank's
+    local expert rows; a peer is an index in the ep group). Moving experts of one pair of
+    ranks are listed in expert order on both ends, so the sender's rows and the receiver's
+    rows line up without being sent."""
 
-    Each rank puts its shard in its slots of a zero tensor of all E slots; a sum over the ep
-    group gathers them exactly (x + 0 == x); each rank then takes the rows of its new slots."""
-    handle = scheduler.group("ep")
-    per_rank = layer.num_experts // layer.ranks
-    # expert now in new slot s (this rank's) came from old slot source[s]
-    expert_in_new_slot = torch.empty_like(new_slot_of)
-    expert_in_new_slot[new_slot_of] = torch.arange(layer.num_experts)
-    mine = expert_in_new_slot[handle.rank * per_rank : (handle.rank + 1) * per_rank]
-    source = layer.slot_of[mine]
+    keep: tuple[tuple[int, int], ...]  # (new row, old row): experts that stay on this rank
+    send: dict[int, tuple[int, ...]]  # peer -> old rows of the experts it takes over
+    recv: dict[int, tuple[int, ...]]  # peer -> new rows of the experts it hands over
+
+    @property
+    def unchanged(self) -> bool:
+        return not self.send and not self.recv and all(new == old for new, old in self.keep)
+
+
+def plan_move(old_slot_of: torch.Tensor, new_slot_of: torch.Tensor, ranks: int, rank: int) -> MovePlan:
+    """Which of `rank`'s rows stay, go, and arrive when slots change from `old_slot_of` to
+    `new_slot_of` (slot = rank * E/ranks + local row)."""
+    per_rank = old_slot_of.numel() // ranks
+    keep, send, recv = [], {}, {}
+    for expert in range(old_slot_of.numel()):
+        (old_rank, old_row), (new_rank, new_row) = divmod(int(old_slot_of[expert]), per_rank), divmod(int(new_slot_of[expert]), per_rank)
+        if old_rank == rank == new_rank:
+            keep.append((new_row, old_row))
+        elif old_rank == rank:
+            send.setdefault(new_rank, []).append(old_row)
+        elif new_rank == rank:
+            recv.setdefault(old_rank, []).append(new_row)
+    return MovePlan(tuple(keep), {p: tuple(r) for p, r in sorted(send.items())}, {p: tuple(r) for p, r in sorted(recv.items())})
+
+
+def move_experts(moves: list[tuple[ExpertPlacement, MovePlan]], scheduler, module: torch.nn.Module, optimizer) -> None:
+    """Rewrite this rank's expert shards (and their optimizer state) for the new slots.
+
+    Every row an expert leaves is sent, weights and optimizer state of every moved layer
+    together, as one message per peer and dtype, to its new owner; experts that stay on
+    this rank are permuted locally (no bytes). Sends and receives go through the scheduler
+    (counted as `expert_move`, each wait bounded by its timeout), one lane per peer and
+    direction so that no send waits behind a receive or another peer. Collective: every
+    rank of the ep group calls it with the same layers in the same order."""
+    outgoing: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # (peer, dtype) -> flat pieces, in order
+    incoming: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[int, ...]]]] = {}  # -> (tensor, new rows)
+    kept = []  # (tensor, new rows, old rows' values), taken before anything is overwritten
+    for layer, plan in moves:
+        for tensor in _moving_tensors(layer, module, optimizer):
+            for peer, rows in plan.send.items():
+                outgoing.setdefault((peer, tensor.dtype), []).append(tensor[list(rows)].reshape(-1))
+            for peer, rows in plan.recv.items():
+                incoming.setdefault((peer, tensor.dtype), []).append((tensor, rows))
+            if plan.keep and any(new != old for new, old in plan.keep):
+                new_rows, old_rows = zip(*plan.keep)
+                kept.append((tensor, list(new_rows), tensor[list(old_rows)]))
+    sends = [scheduler.start_send(torch.cat(pieces), "ep", peer, kind=MOVE_KIND, priority=DEFAULT_CLASS, lane=f"{MOVE_KIND}>{peer}")
+             for (peer, _), pieces in outgoing.items()]
+    receives = []
+    for (peer, dtype), targets in incoming.items():
+        buffer = torch.empty(sum(_row_numel(t) * len(rows) for t, rows in targets), dtype=dtype, device=targets[0][0].device)
+        receives.append((buffer, targets, scheduler.start_recv(buffer, "ep", peer, kind=MOVE_KIND, priority=DEFAULT_CLASS, lane=f"{MOVE_KIND}<{peer}")))
+    with torch.no_grad():
+        for tensor, new_rows, values in kept:
+            tensor[new_rows] = values
+        for buffer, targets, pending in receives:
+            scheduler.wait(pending)
+            offset = 0
+            for tensor, rows in targets:
+                size = _row_numel(tensor) * len(rows)
+                tensor[list(rows)] = buffer[offset : offset + size].view(len(rows), *tensor.shape[1:])
+                offset += size
+    for pending in sends:
+        scheduler.wait(pending)
+
+
+def _moving_tensors(layer: ExpertPlacement, module: torch.nn.Module, optimizer) -> list[torch.Tensor]:
+    """What moves with a layer's experts, in the same order on every rank: each expert
+    parameter (rows = local experts), then each optimizer state tensor shaped like it
+    (by state key); scalar state (Adam's step) is the same for every row and stays."""
+    tensors = []
     for target in layer.weights:
         param = module.get_parameter(target)
-        tensors = [param.data]
+        tensors.append(param.data)
         if optimizer is not None:
-            tensors += [t for t in optimizer.state.get(param, {}).values() if isinstance(t, torch.Tensor) and t.shape == param.shape]
-        for tensor in tensors:
-            full = tensor.new_zeros((layer.num_experts, *tensor.shape[1:]))
-            full[handle.rank * per_rank : (handle.rank + 1) * per_rank] = tensor
-            scheduler.all_reduce(full, "ep", kind="expert_move")
-            tensor.copy_(full[source.to(full.device)])
+            state = optimizer.state.get(param, {})
+            tensors += [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor) and state[key].shape == param.shape]
+    return tensors
+
+
+def _row_numel(tensor: torch.Tensor) -> int:
+    return tensor[0].numel() if tensor.shape[0] else 0
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return _row_numel(tensor) * tensor.element_size()

@@ -283,6 +283,8 @@ class DistributedModule(torch.nn.Module):
         def after_step(opt, args, kwargs):
             if self.deferred is not None and self.deferred.stepping:
                 return  # a deferred parameter's catch-up, not a training step
+            if self.scheduler.local_only:
+                return  # commfx bench's compute-only replay: no real statistics, no real moves
             self.optimizer_steps += 1
             if self.optimizer_steps % every == 0:
                 self.replace_experts(opt)
@@ -294,7 +296,7 @@ class DistributedModule(torch.nn.Module):
         (collective: call on every rank at the same point, between steps)."""
         self.synchronize()
         balance = min((spec["balance"] for spec in self.packing.values()), default=0.1)
-        decisions = replace_experts(self.placements, self.scheduler, self.module, optimizer, balance)
+        decisions = replace_experts(self.placements, self.scheduler, self.module, optimizer, balance, step=self.optimizer_steps)
         self.placement_log.append(decisions)
         return decisions
 
