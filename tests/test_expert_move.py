@@ -78,3 +78,40 @@ def test_a_move_equals_permuting_the_single_process_experts_and_sends_only_moved
         else:
             assert moved == 0 and sent == 0 and calls == [0] * world_size, (label, calls)
     assert ranks[0]["results"][2]["changed_rows"], "the within-rank case permuted rows (else it proves nothing)"
+
+
+def test_commfx_bench_re_places_inside_the_timed_step_and_counts_the_moved_bytes(tmp_path):
+    """pack_experts:replace_every=2 with 2 steps a round, no warm-up: every round ends with
+    a re-placement inside its timed span (the first one moves experts), so the statistics' all-reduce and the
+    moved experts are in the step's counted bytes: expert_move bytes per step = moved
+    experts x row bytes x (1 + AdamW's 2 moments) over the measured rounds' steps."""
+    import json
+    import os
+    import subprocess
+
+    from commfx.models import load_model
+
+    root = Path(__file__).resolve().parents[1]
+    driver = ("import argparse, sys\nfrom commfx.cli.bench import add_parser\np = argparse.ArgumentParser(prog='commfx')\n"
+              "add_parser(p.add_subparsers(dest='command', required=True))\na = p.parse_args(sys.argv[1:])\nsys.exit(a.func(a))\n")
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-c", driver, "bench", "gpt-moe-tiny", "--passes", "lift,expert_parallel,pack_experts:replace_every=2;balance=0.0",
+            "--nodes", "2", "--ranks-per-node", "1", "--no-emulation", "--steps", "2", "--warmup", "0", "--steps-per-round", "2",
+            "--timeout", "150", "--json", str(out)]
+    env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(root / "src")}
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    plan = json.loads(out.read_text())["plans"][0]
+    model = load_model("gpt-moe-tiny")[0]
+    layers, experts = model.config.num_layers, model.config.num_experts
+    row_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n) // (layers * experts)
+    lines = plan["expert_placement_decisions"]
+    steps = [int(line.split()[2].rstrip(":")) for line in lines]
+    assert steps == sorted([2, 4] * layers), lines  # after each round's 2nd step
+    moved = sum(int(line.split(" moved ")[1].split()[0]) for line in lines)
+    assert moved > 0, lines
+    counted = plan["bytes_per_step"]
+    assert counted["placement_stats"]["calls"] == layers * 2 / 2  # per layer and round, each rank: inside the span
+    measured_steps = 2 * 2
+    move_bytes = counted.get("expert_move", {}).get("inter_node_bytes", 0)
+    assert move_bytes * measured_steps == moved * row_bytes * 3, (lines, counted)

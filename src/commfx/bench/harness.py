@@ -9,7 +9,9 @@ Every rank runs :func:`~commfx.bench.worker.bench_worker`. One *round* runs, for
 started together on all ranks by a barrier and timed on every rank:
 
 * a **training step** (zero_grad, forward, loss, backward with the gradient all-reduce,
-  optimizer step): the wall time;
+  optimizer step, and after every N-th optimizer step of `pack_experts:replace_every=N`
+  the expert re-placement a training run does: statistics all-reduced, moved experts sent
+  point to point): the wall time, with every byte of it counted;
 * the same step with the scheduler in ``local_only`` mode (every collective becomes a
   local copy of the same size): the **compute-only** time;
 * the collectives the training step issued, replayed alone in the same order through

@@ -41,15 +41,18 @@ class _PlanRunner:
         self.link_device = config.link_devices[node] if self.count_wire and local_rank == 0 else None
         self.samples["wire_device"] = self.link_device
         self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
-        if self.controller is not None:
-            self.controller.attach_optimizer(self.optimizer)  # migrated units move their AdamW state with them
-        packing = getattr(self.dm, "packing", None) or {}
-        self.replace_every = max((spec["replace_every"] for spec in packing.values()), default=0)
-        self.real_steps = 0
-        self.placement_lines: list[str] = []  # what each re-placement did (the same on every rank)
         self.steps_per_round = config.steps_per_round
-        if getattr(self.dm, "deferred", None) is not None:
-            self.dm.deferred.attach(self.optimizer)  # defer_grad_sync: the optimizer catches deferred parameters up
+        if hasattr(self.dm, "attach_optimizer"):
+            # As a training run does: SEMI's migrated units move their AdamW state with them,
+            # defer_grad_sync's optimizer catches deferred parameters up, and pack_experts
+            # re-places experts after every replace_every-th optimizer step, inside the step
+            # (so inside the timed span and its byte count; never in the compute-only replay).
+            self.dm.attach_optimizer(self.optimizer)
+        else:  # a pipeline module: no packing
+            if self.controller is not None:
+                self.controller.attach_optimizer(self.optimizer)
+            if getattr(self.dm, "deferred", None) is not None:
+                self.dm.deferred.attach(self.optimizer)
 
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
@@ -92,7 +95,6 @@ class _PlanRunner:
         self.records, self.scheduler.records = self.scheduler.records, None
         self.messages = self._crossing_messages() / self.steps_per_round
         stats = {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
-        self._replace_experts_when_due()
         return span, stats
 
     def _link_counters(self):
@@ -119,18 +121,13 @@ class _PlanRunner:
         if not self.pipelined:
             self.dm.synchronize()
 
-    def _replace_experts_when_due(self) -> None:
-        """pack_experts:replace_every=N: re-place experts after every N real steps, as a
-        training run does (`attach_optimizer`), but outside the timed span and its byte count
-        (at most once per round: after the round whose steps reach the next multiple of N),
-        and never after the compute-only replay, whose collectives are local copies (ranks
-        would decide from different statistics)."""
-        before, self.real_steps = self.real_steps, self.real_steps + self.steps_per_round
-        if self.replace_every and self.real_steps // self.replace_every > before // self.replace_every:
-            for d in self.dm.replace_experts(self.optimizer):
-                self.placement_lines.append(
-                    f"after step {self.real_steps}: {d.op_id} moved {d.moved} experts, co-located selections "
-                    f"{d.colocated_before:.0f} -> {d.colocated_after:.0f}, max load {d.max_load:.0f} (bound {d.bound:.0f})")
+    @property
+    def placement_lines(self) -> list[str]:
+        """What each pack_experts re-placement did (the same on every rank but the bytes,
+        which are this rank's), from the module's log."""
+        return [f"after step {d.step}: {d.op_id} moved {d.moved} experts ({d.sent_bytes} B sent by this rank), co-located "
+                f"selections {d.colocated_before:.0f} -> {d.colocated_after:.0f}, max load {d.max_load:.0f} (bound {d.bound:.0f})"
+                for decisions in getattr(self.dm, "placement_log", []) for d in decisions]
 
     def compute_only(self) -> tuple[float, float]:
         """The same step with every collective replaced by a same-size local copy."""
