@@ -75,6 +75,7 @@ def distribute(
         args, kwargs = tuple(stand_in_row(t) for t in args), {k: stand_in_row(t) for k, t in kwargs.items()}
     tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
+    program.parent = None  # the programs before each pass hold the full-size weights sharding is about to drop
     _check_same_graph(scheduler, program)
     if program.regions.pipeline is not None:
         return _pipeline_module(program, plan, scheduler, groups["ep"].rank)
@@ -112,6 +113,7 @@ def _recapture_for(model: torch.nn.Module, program: Program, plan: Plan, schedul
         if _has_no_rows((*args, *kwargs.values())):
             args, kwargs = tuple(stand_in_row(t) for t in args), {k: stand_in_row(t) for k, t in kwargs.items()}
         new = compile_program(skeleton, plan, args, kwargs, tokens_per_rank=tokens)  # tokens: the choices distribute made
+        new.parent = None
         _check_same_graph(scheduler, new)
         if new.regions.pipeline is not None:
             raise PlanError("re-capture for new inputs is not supported with pipeline_split yet")
