@@ -67,6 +67,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
+    parser.add_argument("--proportions", metavar="NAME", default=None,
+                        help="gpt-moe scaled down from a real model's config (mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b): the same "
+                             "experts, top-k and width ratios; with --inter-node auto[,LATENCY] the link that keeps its compute / "
+                             "all-to-all ratio on 8 x H100 nodes at 400 Gb/s (needs --flops-per-rank)")
     parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -91,6 +95,21 @@ def _model_kwargs(args) -> dict:
     if args.batch:
         kwargs["batch"] = args.batch
     return kwargs
+
+
+def _proportioned(args, inter_node: str):
+    """The scaled model and matched link of --proportions, and the --inter-node text to use."""
+    from ..bench.proportions import matched_link
+
+    if not args.proportions:
+        raise ValueError("--inter-node auto sizes the link for a real model's proportions: add --proportions NAME")
+    if args.model != "gpt-moe":
+        raise ValueError(f"--proportions scales the built-in gpt-moe; got model {args.model!r} (use gpt-moe)")
+    auto = inter_node.lower().startswith("auto")
+    if auto and not args.flops_per_rank:
+        raise ValueError("--inter-node auto needs this machine's FLOP/s per rank: --flops-per-rank (commfx bench --calibrate measures it)")
+    matched = matched_link(args.proportions, flops_per_rank=args.flops_per_rank or 1.0, nodes=args.nodes)
+    return matched, (f"{matched.rate_bits / 1e6:.2f}mbit" + inter_node[4:] if auto else inter_node)
 
 
 def _labelled(item: str) -> tuple[str, str]:
@@ -125,16 +144,23 @@ def _run(args: argparse.Namespace) -> int:
     from ..bench.harness import run_bench
     from ..bench.render import render
     from ..bench.links import LinkSpec
+    from ..bench.proportions import gpt_moe_kwargs
     from .checks import check_local_world, check_output_paths
 
     world = args.nodes * args.ranks_per_node
     check_local_world(world, f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node} = {world}")
     check_output_paths({"--json": args.json, "--trace": args.trace}, directories=("--trace",))
     console = Console(highlight=False)
-    link = None if args.inter_node.strip().lower() == "none" else LinkSpec.parse(args.inter_node)
+    model_kwargs, inter_node = _model_kwargs(args), args.inter_node.strip()
+    if args.proportions or inter_node.lower().startswith("auto"):
+        proportioned, inter_node = _proportioned(args, inter_node)
+        for line in proportioned.lines():
+            console.print(line, markup=False)
+        model_kwargs = {**gpt_moe_kwargs(proportioned.model), **model_kwargs}
+    link = None if inter_node.lower() == "none" else LinkSpec.parse(inter_node)
     config = build_config(
         args.model, args.passes, args.vs, nodes=args.nodes, ranks_per_node=args.ranks_per_node, ep=args.ep, pp=args.pp,
-        model_kwargs=_model_kwargs(args), steps=args.steps, warmup=args.warmup, steps_per_round=args.steps_per_round, lr=args.lr, seed=args.seed,
+        model_kwargs=model_kwargs, steps=args.steps, warmup=args.warmup, steps_per_round=args.steps_per_round, lr=args.lr, seed=args.seed,
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,

@@ -1,0 +1,52 @@
+"""Bench models with real proportions (bench/proportions.py) and the matched emulated link."""
+
+import pytest
+
+from commfx.bench.proportions import H100_CLUSTER, REAL_MODELS, compute_over_comm, gpt_moe_kwargs, matched_link, scaled
+from commfx.cli.main import main
+from commfx.models import load_model
+
+
+@pytest.mark.parametrize("name", sorted(REAL_MODELS))
+def test_scaling_keeps_experts_top_k_and_the_width_ratios(name):
+    real = REAL_MODELS[name]
+    small = scaled(real, hidden=128)
+    assert (small.experts, small.top_k, small.hidden) == (real.experts, real.top_k, 128)
+    assert small.expert_hidden / small.hidden == pytest.approx(real.expert_hidden / real.hidden, rel=0.02)
+    assert small.vocab / small.hidden == pytest.approx(real.vocab / real.hidden, rel=0.01)
+    model, _ = load_model("gpt-moe", **gpt_moe_kwargs(small), batch=2, seq=8)
+    assert model.config.num_experts == real.experts and model.config.top_k == real.top_k
+
+
+def test_mixtral_compute_over_comm_by_hand():
+    """Mixtral-8x7B, one token through one MoE layer, forward and backward (3x forward):
+    q and o projections 2 x 2 x 4096 x 4096, k and v (8 kv heads of 128) 2 x 2 x 4096 x 1024,
+    two of eight experts with three 4096 x 14336 matrices; bf16 rows of 4096 dispatched
+    and combined, forward and backward, half of them to the other node, over 400 Gb/s / 8."""
+    flops = 3 * (2 * 2 * 4096 * 4096 + 2 * 2 * 4096 * 1024 + 2 * 3 * 4096 * 14336 * 2)
+    compute = flops / (0.4 * 989e12)
+    comm = (4 * 2 * 4096 * 2) * 0.5 / (400e9 / 8 / 8)
+    assert compute_over_comm(REAL_MODELS["mixtral-8x7b"], H100_CLUSTER) == pytest.approx(compute / comm, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_MODELS))
+def test_the_matched_link_gives_the_scaled_model_the_real_ratio(name):
+    matched = matched_link(name, flops_per_rank=3e10, nodes=2)
+    m = matched.model
+    compute = 3 * (2 * 2 * m.hidden * m.heads * m.head_dim * 2 + 2 * 3 * m.hidden * m.expert_hidden * m.top_k) / 3e10
+    comm = 4 * m.top_k * m.hidden * 4 * 0.5 / (matched.rate_bits / 8)  # float32 rows, half to the other node
+    assert compute / comm == pytest.approx(compute_over_comm(REAL_MODELS[name]), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "gpt-moe", "--inter-node", "auto", "--flops-per-rank", "2e10"], "add --proportions NAME"),
+        (["bench", "gpt-moe-tiny", "--proportions", "mixtral-8x7b"], "scales the built-in gpt-moe"),
+        (["bench", "gpt-moe", "--proportions", "mixtral-8x7b", "--inter-node", "auto"], "needs this machine's FLOP/s per rank"),
+        (["bench", "gpt-moe", "--proportions", "gpt-5", "--inter-node", "100mbit"], "no such model; known: mixtral-8x7b"),
+    ],
+)
+def test_proportions_errors_are_clear(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().out
