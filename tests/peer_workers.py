@@ -100,3 +100,58 @@ def deepspeed_moe_steps(rank: int, world_size: int, steps: int) -> dict:
         compute_kinds[record.kind] = compute_kinds.get(record.kind, 0) + 1
     return {"losses": losses, "kinds": kinds, "bytes": peer.step_bytes(), "params_digest": digest.hexdigest(),
             "compute_only_kinds": compute_kinds, "compute_only_ran_collectives": len(ran), "step_ran_collectives": len(real)}
+
+
+def time_deepspeed_moe_vs_commfx(rank: int, world_size: int, steps: int, warmup: int, model_kwargs: dict,
+                                 passes: str = "lift,expert_parallel") -> dict:
+    """Not a test: a first same-run timing of the peer against commfx's plan on the same model,
+    batch and optimizer (AdamW, lr 1e-3), interleaved step by step (order alternating), each step
+    after a barrier. Returns this rank's per-step seconds (training step and compute-only step)."""
+    import time
+
+    import torch.distributed as dist
+
+    from commfx.api import distribute
+    from commfx.bench.peers.deepspeed_moe import DeepSpeedMoEPeer
+    from commfx.plan import Plan
+    from commfx.runtime.comm import install_default
+    from commfx.train import loss_fn
+    from commfx.verify import local_batch
+
+    kwargs = dict(model_kwargs)
+    model, inputs = load_model("gpt-moe", **kwargs)
+    local = local_batch(inputs, world_size, rank)
+    peer = DeepSpeedMoEPeer(model, local, ep_size=world_size, lr=1e-3)
+    model, _ = load_model("gpt-moe", **kwargs)
+    dm = distribute(model, Plan.from_cli(passes, world_size=world_size), local)
+    optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-3)
+
+    def commfx_step():
+        install_default(dm.scheduler)
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(dm(*local), local).backward()
+        optimizer.step()
+        dm.synchronize()
+
+    def commfx_compute_only():
+        dm.scheduler.local_only = True
+        try:
+            commfx_step()
+        finally:
+            dm.scheduler.local_only = False
+
+    runs = {"deepspeed_moe": peer.train_step, "commfx": commfx_step,
+            "deepspeed_moe compute-only": peer.compute_only, "commfx compute-only": commfx_compute_only}
+    times = {name: [] for name in runs}
+    for index in range(warmup + steps):
+        order = list(runs.items()) if index % 2 == 0 else list(runs.items())[::-1]
+        for name, run in order:
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            if index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    peer.train_step()
+    dm.scheduler.stats.reset()
+    commfx_step()
+    return {"times": times, "peer_bytes": peer.step_bytes(), "commfx_bytes": dm.scheduler.stats.as_dict()}

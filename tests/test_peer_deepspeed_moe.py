@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from commfx.bench.peers import PeerUnsupported
-from commfx.bench.peers.deepspeed_moe import PEER_TOLERANCE, deepspeed_version, find_moe_blocks
+from commfx.bench.peers import PeerUnsupported, peer_module
+from commfx.bench.peers.deepspeed_moe import PEER_TOLERANCE, deepspeed_version, find_moe_blocks, preflight
 from commfx.models import load_model
 from commfx.runtime.launcher import launch
 
@@ -96,10 +96,6 @@ def test_trains_and_runs_compute_only():
     assert rank0["params_digest"] == rank1["params_digest"], "non-expert parameters stay replicated"
 
 
-def _block(model, path):
-    return model.get_submodule(path)
-
-
 def test_refuses_what_deepspeed_cannot_express():
     model, _ = load_model("gpt-moe", top_k=1)
     with pytest.raises(PeerUnsupported, match="top-1 gate weights the expert by its softmax probability"):
@@ -130,7 +126,17 @@ def test_refuses_what_deepspeed_cannot_express():
                                               "weights in a block the deepspeed_moe peer does not know"):
         find_moe_blocks(model)
 
+    model, _ = load_model("gpt-moe", num_experts=6)
+    with pytest.raises(PeerUnsupported, match="ep_size=4 must divide the world size 6"):
+        preflight(model, ep_size=4, world_size=6)
+    with pytest.raises(PeerUnsupported, match="layers.0.moe: 6 experts do not divide over ep_size=4"):
+        preflight(model, ep_size=4, world_size=8)
+    assert [s.path for s in preflight(model, ep_size=3, world_size=6)] == ["layers.0.moe", "layers.1.moe"]
+
     assert issubclass(PeerUnsupported, ValueError)
+    assert peer_module("deepspeed_moe").DeepSpeedMoEPeer.name == "deepspeed_moe"
+    with pytest.raises(ValueError, match="unknown peer 'ddpp': the peers are deepspeed_moe"):
+        peer_module("ddpp")
 
 
 def test_finds_every_block_with_its_routing():

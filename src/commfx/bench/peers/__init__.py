@@ -8,6 +8,20 @@ A peer that cannot express a model raises :class:`PeerUnsupported` (a ValueError
 Peer modules import their system lazily: importing this package needs none of them.
 """
 
+import importlib
+from types import ModuleType
+
 from .common import PeerCheck, PeerUnsupported, relative_diff
 
-__all__ = ["PeerCheck", "PeerUnsupported", "relative_diff"]
+# NAME in `--vs peer:NAME` -> the module that implements it.
+PEERS = {"deepspeed_moe": "commfx.bench.peers.deepspeed_moe"}
+
+
+def peer_module(name: str) -> ModuleType:
+    """The module of peer `name` (ValueError naming the known peers otherwise)."""
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}: the peers are {', '.join(sorted(PEERS))}")
+    return importlib.import_module(PEERS[name])
+
+
+__all__ = ["PEERS", "PeerCheck", "PeerUnsupported", "peer_module", "relative_diff"]

@@ -275,19 +275,28 @@ def _expert_groups(ep_size: int):
     return groups._get_expert_parallel_group(name)
 
 
-def _rebuild(model: nn.Module, *, ep_size: int, capacity_factor: float, drop_tokens: bool, attach_groups: bool) -> nn.Module:
+def preflight(model: nn.Module, *, ep_size: int, world_size: int, capacity_factor: float = 1.0,
+              drop_tokens: bool = False) -> list[MoESpec]:
+    """What every rank would refuse, found in one process before any rank starts (no process
+    group needed): the model's MoE blocks as the peer reads them, or PeerUnsupported; an
+    ImportError when DeepSpeed is not installed."""
     _deepspeed()
-    from deepspeed.moe.layer import MoE
-
     specs = find_moe_blocks(model)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if ep_size < 1 or world % ep_size:
-        raise PeerUnsupported(f"ep_size={ep_size} must divide the world size {world}")
+    if ep_size < 1 or world_size % ep_size:
+        raise PeerUnsupported(f"ep_size={ep_size} must divide the world size {world_size}")
     for spec in specs:
         if spec.num_experts % ep_size:
             raise PeerUnsupported(f"{spec.path}: {spec.num_experts} experts do not divide over ep_size={ep_size}")
     if drop_tokens and not capacity_factor > 0:
         raise PeerUnsupported(f"drop_tokens=True needs capacity_factor > 0 (got {capacity_factor})")
+    return specs
+
+
+def _rebuild(model: nn.Module, *, ep_size: int, capacity_factor: float, drop_tokens: bool, attach_groups: bool) -> nn.Module:
+    from deepspeed.moe.layer import MoE
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    specs = preflight(model, ep_size=ep_size, world_size=world, capacity_factor=capacity_factor, drop_tokens=drop_tokens)
     _ensure_comm()
     ep_rank = dist.get_rank(group=_expert_groups(ep_size)) if ep_size > 1 else 0
 
@@ -514,10 +523,14 @@ class DeepSpeedMoEPeer:
         return loss
 
     def step_bytes(self) -> dict[str, int]:
-        """Payload bytes of the last step's collectives by kind (the tensors handed to them)."""
+        """Payload bytes of the last step's collectives by kind: the tensors handed to them (an
+        all-to-all's includes the share a rank keeps). A collective over a group of one rank
+        (the expert-data-parallel all-reduce when ep_size is the world size) sends nothing and
+        is left out."""
         totals: dict[str, int] = {}
         for record in self.records:
-            totals[record.kind] = totals.get(record.kind, 0) + record.nbytes
+            if record.group_size > 1:
+                totals[record.kind] = totals.get(record.kind, 0) + record.nbytes
         return totals
 
 
@@ -529,13 +542,19 @@ def check_deepspeed_moe(model: nn.Module, global_inputs, *, ep_size: int, lr: fl
     """Prove the peer computes the single-process model's function (call on every rank; collective).
 
     In `dtype` (float64 by default; None keeps the model's), the peer on this rank's share of
-    `global_inputs` (`commfx.verify.local_batch`) against the single-process model on the whole
-    batch: this rank's outputs against the reference's rows, the mean of the ranks' losses
-    against the reference loss (DeepSpeed averages gradients, so equal shares give the
-    global-batch gradient), every gradient after the engine's all-reduce and every parameter
-    after one AdamW step (`lr`) against the reference's, each expert against its slice.
-    Differences are relative to each reference tensor's largest entry, reduced to the maximum
-    over ranks, and judged at :data:`PEER_TOLERANCE` (DeepSpeed's float32 gate)."""
+    `global_inputs` (`commfx.verify.local_batch`, which must split evenly) against the
+    single-process model on the whole batch, over one training step (see
+    :class:`~commfx.bench.peers.common.PeerCheck`): this rank's outputs against the reference's
+    rows, the mean of the ranks' losses against the reference loss, every gradient after the
+    engine's all-reduce against the reference's (each expert against its slice), all judged
+    at :data:`PEER_TOLERANCE` (DeepSpeed's float32 gate); every parameter after the engine's
+    AdamW step (`lr`) against the model's initial one stepped by torch's AdamW from the peer's
+    gradient, at :data:`STEP_TOLERANCE`; and, reported, against the model's own step (AdamW's
+    first step divides by |g| + eps, so it magnifies the gate's float32 rounding of gradient
+    entries near zero: 8e-6 to 4e-5 relative on the tested models, not judged).
+    Differences are relative to each reference tensor's largest entry, the maximum over ranks.
+    With `drop_tokens=True` the notes count the assignments DeepSpeed dropped; any drop makes
+    the peer another function than the model."""
     from torch.utils import _pytree as pytree
 
     from ...models.hf import choose_experts_implementation, training_forward
