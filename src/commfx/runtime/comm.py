@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Topology
-from .hierarchical_a2a import NodeLayout, hierarchical_all_to_all
+from .hierarchical_a2a import PHASES, NodeLayout, hierarchical_all_to_all
 from .priority import Dispatcher, Pending
 
 A2A_ALGORITHMS = ("flat", "hierarchical")
@@ -161,16 +161,34 @@ class CommScheduler:
         self._started[id(out)] = self.dispatcher.submit(Pending(kind, priority, group, tag, nbytes, issue))
         return out
 
-    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout, kind: str) -> None:
-        """Run a hierarchical all-to-all to completion on the dispatcher thread, into `out`."""
+    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout, kind: str) -> "_Running":
+        """Run a hierarchical all-to-all into `out` on a thread of its own (the dispatcher goes on
+        to other lanes meanwhile): point-to-point messages on the group's own process group
+        (this priority class's clone), only between ranks that exchange rows, each wait
+        bounded by `timeout_s`. Its bytes are counted once it has run, as one call."""
+        deadline = time.monotonic() + self.timeout_s
+        short_receives = dist.get_backend(handle.pg) == "gloo"  # gloo takes a message shorter than the receive
 
-        def exchange(output, payload, output_splits, input_splits):
-            dist.all_to_all_single(output, payload, output_splits, input_splits, group=handle.pg)
+        def exchange(phase, sends, receives):
+            tag = _HIERARCHICAL_TAGS[PHASES.index(phase)]
+            works = [dist.irecv(buf, src=handle.ranks[i], group=handle.pg, tag=tag) for i, buf in receives.items()]
+            works += [dist.isend(buf, dst=handle.ranks[i], group=handle.pg, tag=tag) for i, buf in sends.items()]
+            for work in works:
+                left = deadline - time.monotonic()
+                if left <= 0 or not work.wait(timedelta(seconds=left)):
+                    raise CommError(f"hierarchical all_to_all ({phase}) on group {handle.name!r} did not finish within {self.timeout_s:.0f}s")
+
+        sent: dict[int, int] = defaultdict(int)
 
         def count(phase, bytes_to_index):
-            self._count(kind, handle, {handle.ranks[i]: n for i, n in bytes_to_index.items()})
+            for i, n in bytes_to_index.items():
+                sent[handle.ranks[i]] += n
 
-        out.copy_(hierarchical_all_to_all(x, send_rows, recv_rows, handle.rank, layout, exchange, count))
+        def run():
+            hierarchical_all_to_all(x, send_rows, recv_rows, handle.rank, layout, exchange, count, short_receives=short_receives, out=out)
+            self._count(kind, handle, dict(sent))
+
+        return _Running(run)
 
     def wait_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Block until the collective that produces `t` is done (no-op if none is pending)."""
@@ -305,6 +323,29 @@ class _WorkInThread:
 
     def get_future(self):
         return self._future
+
+
+class _Running:
+    """A function run to completion on its own thread, with the future the dispatcher waits on."""
+
+    def __init__(self, fn):
+        self._future = torch.futures.Future()
+
+        def run():
+            try:
+                fn()
+                self._future.set_result(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the future
+                self._future.set_exception(error)
+
+        threading.Thread(target=run, name="commfx-hierarchical-a2a", daemon=True).start()
+
+    def get_future(self):
+        return self._future
+
+
+# point-to-point tags of the hierarchical all-to-all's three exchanges (apart from other p2p on the group)
+_HIERARCHICAL_TAGS = (0x2A2A01, 0x2A2A02, 0x2A2A03)
 
 
 def _row_bytes(x: torch.Tensor) -> int:

@@ -1,24 +1,32 @@
-"""Hierarchical all-to-all: a row crosses the inter-node link once per remote node.
+"""Hierarchical all-to-all: one message per remote node crosses the link, forwarded inside it.
 
-The flat all-to-all sends every row straight to its destination rank. In an MoE dispatch
-the rows a rank sends are copies of its tokens, one per chosen expert, so a token bound for
-several ranks of a remote node crosses the slow link several times. Here (DeepEP's
-internode dispatch, Tutel's 2DH all-to-all) a rank sends each remote node its rows once:
+The flat all-to-all sends every row straight to its destination rank, and gloo's
+all_to_all_single talks to every rank of the group, zero-length messages included. Here
+(DeepEP's internode dispatch: RDMA to the rank of the same local index, then NVLink
+forwarding; Tutel's 2DH all-to-all) an all-to-all is three exchanges, each between only
+the ranks that have something to say to each other:
 
-1. **inter-node** (between ranks of the same local index on every node, "rails"): for each
-   remote node B, the rows bound for B's ranks are deduplicated bit for bit and the unique
-   rows go to one rank of B, the *forwarder*, with a header (unique rows, rows per
-   destination rank) and each row's index into the unique rows;
-2. **intra-node**: every rank sends each rank of its own node the rows it delivers to it —
-   its own rows for that rank, and the rows it forwards for its rail peers, expanded from
-   the unique rows.
+1. **intra-node** (node-mates only): each rank hands each node-mate, in one byte buffer,
+   the row counts that node-mate needs to receive for it from other nodes (the counts
+   this rank receives from the sources that node-mate forwards for) and its own rows for
+   that node-mate. Sizes need no exchange: each rank knows how many rows it receives from
+   every source (`recv_rows`), and every count header has a fixed length.
+2. **inter-node** (one message per remote node): the rows a rank sends to the ranks of a
+   remote node go, as one message, to that node's *forwarder* for it (the rank of the
+   same local index: a rail). After step 1 the forwarder knows how many rows come, so the
+   message needs no size exchange either. Rows are deduplicated bit for bit (an MoE
+   dispatch sends a token once per chosen rank; a token bound for two ranks of one node
+   crosses once); the message then carries an 8-byte header, the unique rows and an int32
+   index per row, and is sent only where it is shorter than the rows themselves. That
+   needs a transport whose receive may be longer than the message (gloo's: its TCP pair
+   accepts any message up to the posted length); other transports send the rows as they
+   are, with exact sizes and no header.
+3. **intra-node** (node-mates only): each forwarder hands each node-mate the rows it
+   received for it.
 
-The receiver puts the rows in flat order (source rank order), so the result is the flat
-all-to-all's, bit for bit: deduplication compares the rows' bits (an integer view), never
-their values. Rows are deduplicated per remote node; where none repeat (combine, most
-gradients) they go as they are and cost only a header of (node size + 1) int64 per peer;
-otherwise each row adds a 4-byte index. Each phase is an `all_to_all_single` over the whole group with
-zero splits for ranks outside the phase, so no extra process groups are needed.
+Only step 2 touches the inter-node link: one message per (rank, remote node) and one
+latency, as the flat all-to-all's one. The receiver puts the rows in flat order (source
+index order), so the result is the flat all-to-all's bit for bit.
 """
 
 from __future__ import annotations
@@ -28,12 +36,15 @@ from typing import Callable
 
 import torch
 
-# exchange(output, input, output_splits, input_splits): a blocking all_to_all_single on the group
-Exchange = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], None]
+# exchange(phase, sends, receives): send each uint8 buffer of `sends` to its group index
+# and receive from each index of `receives` into its uint8 buffer (a message may be shorter
+# than its buffer only when the transport allows short receives); returns when all are done
+Exchange = Callable[[str, dict[int, torch.Tensor], dict[int, torch.Tensor]], None]
 # count(phase, bytes sent to each group index) -> None
 Count = Callable[[str, dict[int, int]], None]
 
-_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+PHASES = ("intra-node counts and rows", "inter-node", "intra-node forward")
+RAW = -1  # inter-node header: the rows follow as they are
 
 
 @dataclass(frozen=True)
@@ -67,16 +78,96 @@ class NodeLayout:
         """Who hands `dest` the rows `source` sends it: the source itself on the same node."""
         return source if self.nodes[source] == self.nodes[dest] else self.forwarder(source, self.nodes[dest])
 
+    def forwarded_by(self, f: int) -> list[int]:
+        """The sources on other nodes whose rows for `f`'s node `f` receives, in index order."""
+        return [s for s in range(self.size) if self.nodes[s] != self.nodes[f] and self.forwarder(s, self.nodes[f]) == f]
+
+
+def _word_view(rows: torch.Tensor) -> torch.Tensor:
+    """The rows' bits as an (n, words) integer tensor, the widest integer that divides a row."""
+    n = rows.shape[0]
+    raw = rows.reshape(n, -1).contiguous().view(torch.uint8) if rows.dtype != torch.uint8 else rows.reshape(n, -1).contiguous()
+    width = raw.shape[1]
+    for view, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if width % size == 0:
+            return raw.view(view)
+    return raw
+
+
+_PROBE_WORDS = 8
+_PROBE_WEIGHTS = torch.randint(-(2**62), 2**62, (_PROBE_WORDS,), generator=torch.Generator().manual_seed(0x2A2A)) | 1
+
 
 def unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unique rows, index of each row into them), comparing bits so -0.0 != 0.0 and NaN == NaN."""
+    """(unique rows, index of each row into them), comparing bits so -0.0 != 0.0 and NaN == NaN.
+
+    A hash of each row's first words finds candidate repeats; every repeat is then compared
+    with its representative in full (so a hash collision can never merge two rows), and a
+    collision falls back to torch.unique over the whole rows."""
     n = rows.shape[0]
-    view = _BIT_VIEWS.get(rows.element_size())
-    if n == 0 or rows[0].numel() == 0 or view is None:
+    if n == 0 or rows[0].numel() == 0:
         return rows, torch.arange(n, dtype=torch.int32)
-    bits = rows.reshape(n, -1).contiguous().view(view)
-    unique_bits, inverse = torch.unique(bits, dim=0, return_inverse=True)
-    return unique_bits.view(rows.dtype).reshape(-1, *rows.shape[1:]), inverse.to(torch.int32)
+    words = _word_view(rows)
+    probe = words[:, :_PROBE_WORDS].to(torch.int64)
+    keys = (probe * _PROBE_WEIGHTS[: probe.shape[1]]).sum(1)  # wraps around: a hash, not a value
+    unique_keys, inverse = torch.unique(keys, return_inverse=True)
+    if unique_keys.shape[0] == n:
+        return rows, torch.arange(n, dtype=torch.int32)
+    positions = torch.arange(n)
+    first = torch.full((unique_keys.shape[0],), n, dtype=torch.int64).scatter_reduce(0, inverse, positions, "amin")
+    representative = first[inverse]
+    repeats = (representative != positions).nonzero().flatten()
+    if not torch.equal(words[repeats], words[representative[repeats]]):  # same probe, other bits
+        _, inverse = torch.unique(words, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.int64).scatter_reduce(0, inverse, positions, "amin")
+    return rows[first], inverse.to(torch.int32)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _rows(buf: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` rows shaped like `like`'s from the front of the uint8 buffer `buf`."""
+    raw = buf[: n * _row_bytes(like)]
+    if like.element_size() > 1 and raw.storage_offset() % like.element_size():
+        raw = raw.clone()  # misaligned for the wider type
+    return (raw if like.dtype == torch.uint8 else raw.view(like.dtype)).reshape(n, *like.shape[1:])
+
+
+def _pad8(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def encode_inter(rows: torch.Tensor, short_receives: bool) -> torch.Tensor:
+    """One inter-node message: the rows, or (header, index, unique rows) where shorter."""
+    if not short_receives:
+        return _bytes(rows)
+    n, row_bytes = rows.shape[0], _row_bytes(rows)
+    unique, index = unique_rows(rows)
+    u = unique.shape[0]
+    if u < n and _pad8(4 * n) + u * row_bytes < n * row_bytes:
+        header = torch.tensor([u], dtype=torch.int64)
+        index_bytes = torch.zeros(_pad8(4 * n), dtype=torch.uint8)
+        index_bytes[: 4 * n] = _bytes(index)
+        return torch.cat([_bytes(header), index_bytes, _bytes(unique)])
+    return torch.cat([_bytes(torch.tensor([RAW], dtype=torch.int64)), _bytes(rows)])
+
+
+def inter_bound(n: int, row_bytes: int, short_receives: bool) -> int:
+    """The longest message `encode_inter` makes for `n` rows (its exact length without short receives)."""
+    return (8 if short_receives else 0) + n * row_bytes
+
+
+def decode_inter(buf: torch.Tensor, like: torch.Tensor, n: int, short_receives: bool) -> torch.Tensor:
+    if not short_receives or n == 0:  # no rows: no message
+        return _rows(buf, like, n)
+    u = int(buf[:8].clone().view(torch.int64)[0])
+    if u == RAW:
+        return _rows(buf[8:], like, n)
+    index = buf[8 : 8 + 4 * n].clone().view(torch.int32).long()
+    return _rows(buf[8 + _pad8(4 * n) :], like, u)[index]
 
 
 def hierarchical_all_to_all(
@@ -87,77 +178,79 @@ def hierarchical_all_to_all(
     layout: NodeLayout,
     exchange: Exchange,
     count: Count,
+    *,
+    short_receives: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The flat all-to-all's result (rows grouped by source index), sent hierarchically."""
-    size, row_shape = layout.size, tuple(x.shape[1:])
+    """The flat all-to-all's result (rows grouped by source index), sent hierarchically.
+
+    Every rank of the group calls it with its own rows and counts; `send_rows[i]` rows go
+    to index i, `recv_rows[i]` come from it (the counts every all-to-all's caller knows)."""
+    size, row_shape, row_bytes = layout.size, tuple(x.shape[1:]), _row_bytes(x)
+    out = x.new_empty((sum(recv_rows), *row_shape)) if out is None else out
+    if row_bytes == 0 or size == 0:
+        return out
     x = x.contiguous()
     by_dest = list(x.split(send_rows))
     my_node = layout.nodes[me]
-    width = 1 + max(len(layout.members(n)) for n in layout.node_ids())
+    mates = [m for m in layout.members(my_node) if m != me]
+    forwards = {f: layout.forwarded_by(f) for f in layout.members(my_node)}
 
-    # ---- phase 1: one deduplicated message per remote node, to its forwarder
-    headers, indices, uniques = {}, {}, {}
+    def run(phase: int, sends: dict[int, torch.Tensor], receives: dict[int, int]) -> dict[int, torch.Tensor]:
+        sends = {i: b for i, b in sends.items() if b.numel()}
+        buffers = {i: torch.empty(n, dtype=torch.uint8) for i, n in receives.items() if n}
+        count(PHASES[phase], {i: b.numel() for i, b in sends.items()})
+        if sends or buffers:
+            exchange(PHASES[phase], sends, buffers)
+        return {i: buffers.get(i, torch.empty(0, dtype=torch.uint8)) for i in receives}
+
+    # ---- 1. node-mates: the counts each needs to receive what it forwards for me, and my rows for it
+    got = run(
+        0,
+        {m: torch.cat([_bytes(torch.tensor([recv_rows[s] for s in forwards[m]], dtype=torch.int64)), _bytes(by_dest[m])]) for m in mates},
+        {m: 8 * len(forwards[me]) + recv_rows[m] * row_bytes for m in mates},
+    )
+    header = 8 * len(forwards[me])
+    # rows[s][d]: how many rows source s sends node-mate d (for the sources I forward)
+    rows_to = {s: {me: recv_rows[s]} for s in forwards[me]}
+    for m in mates:
+        for s, n in zip(forwards[me], got[m][:header].clone().view(torch.int64).tolist()):
+            rows_to[s][m] = n
+    from_source = {m: _rows(got[m][header:], x, recv_rows[m]) for m in mates}
+    from_source[me] = by_dest[me]
+
+    # ---- 2. one message per remote node, to my forwarder there
+    sends = {}
     for node in layout.node_ids():
-        if node == my_node:
-            continue
-        members = layout.members(node)
-        bound = torch.cat([by_dest[d] for d in members]) if members else x[:0]
-        unique, inverse = unique_rows(bound)
-        if unique.shape[0] == bound.shape[0]:  # nothing repeats: the rows as they are, no index
-            unique, inverse = bound, inverse[:0]
-        target = layout.forwarder(me, node)
-        header = torch.zeros((1, width), dtype=torch.int64)
-        header[0, 0] = unique.shape[0]
-        header[0, 1 : 1 + len(members)] = torch.tensor([send_rows[d] for d in members], dtype=torch.int64)
-        headers[target], indices[target], uniques[target] = header, inverse, unique
-    sources = [s for s in range(size) if layout.nodes[s] != my_node and layout.forwarder(s, my_node) == me]
-
-    def phase(name: str, outgoing: dict[int, torch.Tensor], incoming_rows: dict[int, int], template: torch.Tensor):
-        send = [outgoing[i].shape[0] if i in outgoing else 0 for i in range(size)]
-        recv = [incoming_rows.get(i, 0) for i in range(size)]
-        payload = torch.cat([outgoing[i] for i in sorted(outgoing)]) if outgoing else template[:0]
-        out = template.new_empty((sum(recv), *template.shape[1:]))
-        count(name, {i: send[i] * _row_bytes(template) for i in range(size) if send[i]})
-        exchange(out, payload.contiguous(), recv, send)
-        return dict(zip(range(size), out.split(recv)))
-
-    got_headers = phase("hierarchical header", headers, {s: 1 for s in sources}, torch.zeros((0, width), dtype=torch.int64))
-    got_headers = {s: got_headers[s].reshape(width) for s in sources}
+        if node != my_node:
+            members = layout.members(node)
+            if sum(send_rows[d] for d in members):
+                sends[layout.forwarder(me, node)] = encode_inter(torch.cat([by_dest[d] for d in members]), short_receives)
     my_members = layout.members(my_node)
-    def index_rows(source: int) -> int:
-        bound = int(got_headers[source][1 : 1 + len(my_members)].sum())
-        return bound if int(got_headers[source][0]) < bound else 0
+    incoming = {s: sum(rows_to[s][d] for d in my_members) for s in forwards[me]}
+    got = run(1, sends, {s: inter_bound(n, row_bytes, short_receives) if n else 0 for s, n in incoming.items()})
+    forwarded = {s: decode_inter(got[s], x, incoming[s], short_receives).split([rows_to[s][d] for d in my_members]) for s in forwards[me]}
+    for s in forwards[me]:
+        from_source[s] = forwarded[s][my_members.index(me)]
 
-    got_indices = phase("hierarchical index", indices, {s: index_rows(s) for s in sources}, torch.zeros(0, dtype=torch.int32))
-    got_uniques = phase("hierarchical inter-node", uniques, {s: int(got_headers[s][0]) for s in sources}, x.new_empty((0, *row_shape)))
-
-    # ---- phase 2: within the node, each rank hands over its own rows and what it forwards
-    def forwarded(source: int, dest: int) -> torch.Tensor:
-        counts = got_headers[source][1 : 1 + len(my_members)].tolist()
-        position = my_members.index(dest)
-        start = sum(counts[:position])
-        if got_indices[source].shape[0] == 0:  # sent as they are
-            return got_uniques[source][start : start + counts[position]]
-        return got_uniques[source][got_indices[source][start : start + counts[position]].long()]
-
-    outgoing = {}
-    for dest in my_members:
-        pieces = [
-            by_dest[dest] if source == me else forwarded(source, dest)
-            for source in range(size)
-            if layout.deliverer(source, dest) == me
-        ]
-        outgoing[dest] = torch.cat(pieces) if pieces else x[:0]
-    incoming = {f: sum(recv_rows[s] for s in range(size) if layout.deliverer(s, me) == f) for f in my_members}
-    delivered = phase("hierarchical intra-node", outgoing, incoming, x.new_empty((0, *row_shape)))
+    # ---- 3. node-mates: the rows I received for them
+    got = run(
+        2,
+        {d: _bytes(torch.cat([forwarded[s][my_members.index(d)] for s in forwards[me]])) if forwards[me] else x.new_empty((0, *row_shape)) for d in mates},
+        {f: sum(recv_rows[s] for s in forwards[f]) * row_bytes for f in mates},
+    )
+    for f in mates:
+        pieces = _rows(got[f], x, sum(recv_rows[s] for s in forwards[f])).split([recv_rows[s] for s in forwards[f]])
+        from_source.update(zip(forwards[f], pieces))
 
     # ---- the flat order: source by source
-    from_source: dict[int, torch.Tensor] = {}
-    for f in my_members:
-        served = [s for s in range(size) if layout.deliverer(s, me) == f]
-        for s, rows in zip(served, delivered[f].split([recv_rows[s] for s in served])):
-            from_source[s] = rows
-    return torch.cat([from_source[s] for s in range(size)]) if size else x[:0]
+    offset = 0
+    for s in range(size):
+        n = recv_rows[s]
+        if n:
+            out[offset : offset + n].copy_(from_source[s])
+        offset += n
+    return out
 
 
 def _row_bytes(template: torch.Tensor) -> int:
