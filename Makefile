@@ -9,7 +9,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test,peers]'
 	touch $(STAMP)
 
 # iproute2 gives `ip`/`tc` for the emulated cluster (network namespaces); needs root.

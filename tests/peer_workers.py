@@ -155,3 +155,16 @@ def time_deepspeed_moe_vs_commfx(rank: int, world_size: int, steps: int, warmup:
     dm.scheduler.stats.reset()
     commfx_step()
     return {"times": times, "peer_bytes": peer.step_bytes(), "commfx_bytes": dm.scheduler.stats.as_dict()}
+
+
+def ddp_check(rank: int, world_size: int, model: str, perturb_rank: int | None = None) -> dict:
+    """peer:ddp's check on `model`; with `perturb_rank`, that rank's copy of the model differs
+    (DDP then trains rank 0's weights on every rank, which another rank's reference does not)."""
+    from commfx.bench.peers.ddp import check
+
+    module, inputs = load_model(model, batch=4)
+    if rank == perturb_rank:
+        with torch.no_grad():
+            next(module.parameters()).add_(0.1)
+    result = check(module, inputs, ep_size=1, lr=1e-2)
+    return {"ok": result.ok, "line": result.line(), "grad_diffs": result.grad_diffs, "output_diff": result.output_diff}

@@ -12,6 +12,8 @@ from ..verify import preflight
 from .links import LinkSpec
 from .straggler import SlowRank
 
+PEER_PREFIX = "peer:"
+
 # Benchmark-sized configurations of built-in models: big enough that compute and
 # communication both take milliseconds on the emulated cluster (see benchmarks/RESULTS.md).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -28,7 +30,8 @@ class PlanSpec:
 
     label: str
     passes: str
-    plan: Plan
+    plan: Plan  # for a peer: the world and expert-parallel size it runs with
+    peer: str | None = None  # `peer:NAME`: the system a user would pick instead (bench/peers/)
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,14 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         figures["collective_overhead_s"] = collective_overhead_s
 
     def spec(label: str, text: str) -> PlanSpec:
-        plan = Plan.from_cli(text, world_size=world, ep=ep, pp=pp, tp=tp, ranks_per_node=ranks_per_node, **figures)
+        peer = text.removeprefix(PEER_PREFIX) if text.startswith(PEER_PREFIX) else None
+        passes = "lift" if peer else text  # a peer's plan carries only its world and ep size
+        plan = Plan.from_cli(passes, world_size=world, ep=ep, pp=pp, tp=tp, ranks_per_node=ranks_per_node, **figures)
         if grad_bucket_bytes:
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
         if collective_timeout_s:
             plan = dataclasses.replace(plan, collective_timeout_s=collective_timeout_s)
-        return PlanSpec(label, text, plan)
+        return PlanSpec(label, text, plan, peer)
 
     specs = [spec("plan", passes)]
     if vs is not None:
@@ -109,10 +114,31 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
         raise ValueError("--healthy names plans to run without the straggler; it needs --slow-rank R:FACTOR")
     if slow_rank is not None:
         check_request(*slow_rank, world, slow_method)
+        slowed_peers = [s.label for s in specs if s.peer and s.label not in healthy]
+        if slowed_peers and slow_method != "cgroup":
+            raise ValueError(f"--slow-rank slows a peer ({', '.join(slowed_peers)}) only with --slow-method cgroup "
+                             "(the delay method works through commfx's scheduler, which a peer does not use), or list it in --healthy")
     for s in specs:  # every plan compiles here first: errors surface once, before ranks start
         model_module, inputs = load_model(model, seed=seed, **kwargs)
-        preflight(model_module, s.plan, inputs)
+        if s.peer:
+            _peer_preflight(s, model_module)
+        else:
+            preflight(model_module, s.plan, inputs)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed,
                        slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy), steps_per_round=steps_per_round)
+
+
+def _peer_preflight(spec: PlanSpec, model) -> None:
+    """What the peer would refuse on every rank, said once here (unknown peer, a model it
+    cannot express, its system not installed)."""
+    from .peers import peer_module
+
+    try:
+        module = peer_module(spec.peer)
+        module.preflight(model, ep_size=spec.plan.topology.expert_parallel_size, world_size=spec.plan.topology.world_size)
+    except ImportError as missing:
+        raise ValueError(f"{spec.passes}: {missing.name or missing} is not installed (pip install 'commfx[peers]')") from None
+    except ValueError as refused:
+        raise ValueError(f"{spec.passes} ({spec.label}): {refused}") from None

@@ -172,6 +172,9 @@ def _run_on_cluster(config: BenchConfig, link, emulate: bool, calibrate_first: b
             from ..runtime.trace import merge_traces
 
             for spec in config.plans:
+                if spec.peer:
+                    console.print(f"{spec.label}: a peer, not traced (its collectives are not on commfx's timeline)", markup=False)
+                    continue
                 merged = merge_traces([r[spec.label]["trace"] for r in samples], Path(config.trace_dir) / f"{spec.label}.json")
                 console.print(f"trace of one {spec.label} round: {merged}", markup=False)
     result.calibration = calibration

@@ -68,6 +68,8 @@ def bytes_table(result: BenchResult):
         for kind, entry in p.bytes.items():
             table.add_row(p.label, kind, _bytes(entry["calls"]), _bytes(entry["intra_node_bytes"]),
                           _bytes(entry["inter_node_bytes"]))
+        for kind, nbytes in p.peer_bytes.items():  # a peer's own count: payload handed in, the rank's own share too
+            table.add_row(p.label, f"{kind} (peer's payload)", "", "", _bytes(nbytes))
         table.add_row(p.label, "total", "", _bytes(p.total("intra_node_bytes")), _bytes(p.total("inter_node_bytes")),
                       style="bold", end_section=True)
     return table
@@ -140,6 +142,9 @@ def straggler_table(result: BenchResult):
 def render(result: BenchResult, console) -> None:
     """Print the tables and the paired ratio (what the interleaving buys)."""
     console.print(timing_table(result))
+    for p in result.plans:
+        if p.peer_check:
+            console.print(f"{p.label}: {p.peer_check}", markup=False)
     console.print(bytes_table(result))
     if all(p.wire is not None for p in result.plans):
         console.print(wire_table(result))

@@ -65,6 +65,8 @@ class PlanResult:
     # counters saw; None where there is no link to count (one node, plain localhost).
     wire: list[dict] | None = None
     messages: float = 0.0  # node-crossing collectives per step in the longest lane of any rank
+    peer_check: str | None = None  # a peer's equality check against the single-process model
+    peer_bytes: dict[str, float] = field(default_factory=dict)  # a peer's own count: payload bytes per step, all ranks
     link: LinkSpec | None = None  # the inter-node link the cluster set (rate and latency of the wire bound)
 
     @property
@@ -137,6 +139,7 @@ class PlanResult:
             "intra_node_bytes_per_step": self.total("intra_node_bytes"),
             "inter_node_bytes_per_step": self.total("inter_node_bytes"),
             "wire_bytes_per_step": self.wire_dict(), "wire_messages_per_step": self.messages,
+            "peer_check": self.peer_check, "peer_payload_bytes_per_step": self.peer_bytes or None,
             "rank_compute_only_median_s": [t.median for t in self.rank_compute],
             "rank_step_compute_median_s": [t.median for t in self.rank_own_compute],
             "straggler_slowed": self.slowed, "resize_tp_decisions": self.decisions,
@@ -236,6 +239,8 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
             placement_decisions=per_rank[0].get("placement_decisions", []),
             wire=_wire_per_node(per_rank, config.ranks_per_node),
             messages=max(statistics.fmean(r["messages"]) if r.get("messages") else 0.0 for r in per_rank),
+            peer_check=per_rank[0].get("peer_check"),
+            peer_bytes=_peer_bytes([r.get("peer_bytes", []) for r in per_rank]),
             link=link,
         ))
     paired = None
@@ -287,6 +292,17 @@ def _bytes_per_step(per_rank_steps: list[list[dict]]) -> dict[str, dict[str, flo
                 for key in slot:
                     slot[key] += entry[key]
     return {kind: {key: _exact_mean(value, steps) for key, value in slot.items()} for kind, slot in sorted(totals.items())}
+
+
+def _peer_bytes(per_rank_steps: list[list[dict]]) -> dict[str, float]:
+    """Mean over steps of the payload bytes all ranks handed a peer's collectives, per kind."""
+    steps = max((len(steps) for steps in per_rank_steps), default=0)
+    totals: dict[str, int] = {}
+    for rank_steps in per_rank_steps:
+        for step in rank_steps:
+            for kind, nbytes in step.items():
+                totals[kind] = totals.get(kind, 0) + nbytes
+    return {kind: _exact_mean(total, steps) for kind, total in sorted(totals.items())} if steps else {}
 
 
 def _exact_mean(total: int, count: int) -> float | int:

@@ -16,23 +16,12 @@ from .straggler import RankSlowdown
 from .wire import read_counters
 
 
-class _PlanRunner:
-    """One plan's distributed module on this rank, able to run the three timed phases."""
+class _Runner:
+    """One plan's (or peer's) model on this rank: the timed rounds and their samples, with the
+    link counters read around each real step. Subclasses say how to train, replay and count."""
 
-    def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
-        from ..api import distribute
-        from ..models import load_model
-        from ..runtime.pipeline.module import PipelineModule
-        from ..verify import data_share, local_batch
-
+    def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int):
         self.spec = spec
-        model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
-        self.inputs = local_batch(inputs, *data_share(spec.plan, rank))  # a tuple, or a dict of keyword tensors
-        self.dm = distribute(model, spec.plan, self.inputs)
-        self.pipelined = isinstance(self.dm, PipelineModule)
-        self.scheduler = self.dm.scheduler
-        self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
-        self.records: list = []
         self.samples: dict[str, list] = {kind: [] for kind in TIMING_KINDS} | {"bytes": [], "own_compute": [], "wire": [], "messages": []}
         # Bytes on the wire: every rank takes part in the barriers that close the counted span;
         # one rank per node (its first) reads the node's link counters.
@@ -40,8 +29,78 @@ class _PlanRunner:
         node, local_rank = divmod(rank, config.ranks_per_node)
         self.link_device = config.link_devices[node] if self.count_wire and local_rank == 0 else None
         self.samples["wire_device"] = self.link_device
-        self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
         self.steps_per_round = config.steps_per_round
+        self.messages = 0.0
+
+    def step(self) -> tuple[tuple[float, float], dict]:
+        """A real training step; records its collectives, exact bytes and wire bytes for this round.
+
+        The link counters are read before the barrier that starts the timed span (so no
+        rank of any node sends a byte of the step before every node has read them) and
+        again after a barrier that follows the span: once every rank is past the step,
+        everything the step sent has arrived. The difference holds all of the step's
+        traffic plus the two barriers' few hundred bytes, and nothing of the next phase."""
+        self._start_counting()
+        if self.count_wire:
+            self.barrier()  # every rank is done with the previous phase's traffic
+        before = self._link_counters()
+        self.barrier()
+        blocked = self._blocked_s()
+        start = time.monotonic()
+        self._train_steps()
+        span = _per_step(start, time.monotonic(), self.steps_per_round)
+        self.own_compute = span[1] - span[0] - (self._blocked_s() - blocked) / self.steps_per_round  # wall less comm waits
+        if self.count_wire:
+            self.barrier()
+        after = self._link_counters()
+        self.wire = None if before is None else ((after.tx_bytes - before.tx_bytes) / self.steps_per_round,
+                                                 (after.rx_bytes - before.rx_bytes) / self.steps_per_round)
+        return span, self._stop_counting()
+
+    def _link_counters(self):
+        return read_counters(self.link_device) if self.link_device is not None else None
+
+    def round(self, keep: bool, slowdown: RankSlowdown, slowed: bool) -> None:
+        """Run the three phases once (this rank slowed if it is the straggler and the plan is
+        not a healthy reference); keep the samples unless this is warm-up."""
+        with slowdown.applied(self.scheduler, active=slowed):
+            wall, nbytes = self.step()
+            compute = self.compute_only()
+        comm = self.comm_only()
+        if keep:
+            for kind, value in zip(TIMING_KINDS, (wall, compute, comm)):
+                self.samples[kind].append(value)
+            self.samples["bytes"].append(nbytes)
+            self.samples["wire"].append(self.wire)
+            self.samples["messages"].append(self.messages)
+            self.samples["own_compute"].append(self.own_compute)
+
+    def decisions(self) -> list[str]:
+        return []
+
+    @property
+    def placement_lines(self) -> list[str]:
+        return []
+
+
+class _PlanRunner(_Runner):
+    """One plan's distributed module on this rank, able to run the three timed phases."""
+
+    def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
+        super().__init__(spec, config, rank)
+        from ..api import distribute
+        from ..models import load_model
+        from ..runtime.pipeline.module import PipelineModule
+        from ..verify import data_share, local_batch
+
+        model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
+        self.inputs = local_batch(inputs, *data_share(spec.plan, rank))  # a tuple, or a dict of keyword tensors
+        self.dm = distribute(model, spec.plan, self.inputs)
+        self.pipelined = isinstance(self.dm, PipelineModule)
+        self.scheduler = self.dm.scheduler
+        self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
+        self.records: list = []
+        self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
         if hasattr(self.dm, "attach_optimizer"):
             # As a training run does: SEMI's migrated units move their AdamW state with them,
             # defer_grad_sync's optimizer catches deferred parameters up, and pack_experts
@@ -53,6 +112,21 @@ class _PlanRunner:
                 self.controller.attach_optimizer(self.optimizer)
             if getattr(self.dm, "deferred", None) is not None:
                 self.dm.deferred.attach(self.optimizer)
+
+    def barrier(self) -> None:
+        self.scheduler.barrier()
+
+    def _blocked_s(self) -> float:
+        return self.scheduler.blocked_s
+
+    def _start_counting(self) -> None:
+        self.scheduler.stats.reset()
+        self.scheduler.records = []
+
+    def _stop_counting(self) -> dict:
+        self.records, self.scheduler.records = self.scheduler.records, None
+        self.messages = self._crossing_messages() / self.steps_per_round
+        return {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
 
     def _train_step(self) -> None:
         from ..runtime.comm import install_default
@@ -67,38 +141,6 @@ class _PlanRunner:
         else:
             loss_fn(call(self.dm, self.inputs), batch_tensors(self.inputs)).backward()
         self.optimizer.step()
-
-    def step(self) -> tuple[tuple[float, float], dict]:
-        """A real training step; records its collectives, exact bytes and wire bytes for this round.
-
-        The link counters are read before the barrier that starts the timed span (so no
-        rank of any node sends a byte of the step before every node has read them) and
-        again after a barrier that follows the span: once every rank is past the step,
-        everything the step sent has arrived. The difference holds all of the step's
-        traffic plus the two barriers' few hundred bytes, and nothing of the next phase."""
-        self.scheduler.stats.reset()
-        self.scheduler.records = []
-        if self.count_wire:
-            self.scheduler.barrier()  # every rank is done with the previous phase's traffic
-        before = self._link_counters()
-        self.scheduler.barrier()
-        blocked = self.scheduler.blocked_s
-        start = time.monotonic()
-        self._train_steps()
-        span = _per_step(start, time.monotonic(), self.steps_per_round)
-        self.own_compute = span[1] - span[0] - (self.scheduler.blocked_s - blocked) / self.steps_per_round  # wall less comm waits
-        if self.count_wire:
-            self.scheduler.barrier()
-        after = self._link_counters()
-        self.wire = None if before is None else ((after.tx_bytes - before.tx_bytes) / self.steps_per_round,
-                                                 (after.rx_bytes - before.rx_bytes) / self.steps_per_round)
-        self.records, self.scheduler.records = self.scheduler.records, None
-        self.messages = self._crossing_messages() / self.steps_per_round
-        stats = {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
-        return span, stats
-
-    def _link_counters(self):
-        return read_counters(self.link_device) if self.link_device is not None else None
 
     def _crossing_messages(self) -> int:
         """Collectives of this round that cross nodes, in this rank's longest lane (a lane
@@ -183,26 +225,76 @@ class _PlanRunner:
         finally:
             self.dm.timeline, self.scheduler.dispatcher.history = None, None
 
-    def round(self, keep: bool, slowdown: RankSlowdown, slowed: bool) -> None:
-        """Run the three phases once (this rank slowed if it is the straggler and the plan is
-        not a healthy reference); keep the samples unless this is warm-up."""
-        with slowdown.applied(self.scheduler, active=slowed):
-            wall, nbytes = self.step()
-            compute = self.compute_only()
-        comm = self.comm_only()
-        if keep:
-            for kind, value in zip(TIMING_KINDS, (wall, compute, comm)):
-                self.samples[kind].append(value)
-            self.samples["bytes"].append(nbytes)
-            self.samples["wire"].append(self.wire)
-            self.samples["messages"].append(self.messages)
-            self.samples["own_compute"].append(self.own_compute)
-
     def decisions(self) -> list[str]:
         """What resize_tp's controller did (the same on every rank)."""
         if self.controller is None:
             return []
         return [d.line() for d in self.controller.decisions if d.action != "keep"]
+
+
+class _PeerRunner(_Runner):
+    """A peer (`peer:NAME`, bench/peers/): the system a user would pick instead, on the same
+    model, batch and optimizer, proved to compute the single-process model's function before
+    it is timed. Its bytes are its own count of what it hands its collectives (no commfx
+    scheduler sees them); the link counters see them as they see commfx's."""
+
+    def __init__(self, spec: PlanSpec, config: BenchConfig, rank: int, world_size: int):
+        super().__init__(spec, config, rank)
+        from ..models import load_model
+        from ..verify import data_share, local_batch
+        from .peers import peer_module
+
+        module = peer_module(spec.peer)
+        model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
+        ep = spec.plan.topology.expert_parallel_size
+        check = module.check(model, inputs, ep_size=ep, lr=config.lr)
+        if not check.ok:
+            raise RuntimeError(f"{spec.passes} is not timed: it does not compute the model's function: {check.line()}")
+        self.scheduler = None  # no commfx scheduler: a straggler is slowed by its cgroup only (see config)
+        self.samples["peer_check"] = check.line()
+        self.samples["peer_bytes"] = []
+        self.peer = module.Runner(model, local_batch(inputs, *data_share(spec.plan, rank)), ep_size=ep, lr=config.lr)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()  # bounded by the process group's timeout (the launcher's collective timeout)
+
+    def _blocked_s(self) -> float:
+        return 0.0  # the peer does not say how long it waited on communication
+
+    def _start_counting(self) -> None:
+        pass
+
+    def _stop_counting(self) -> dict:
+        self.samples["peer_bytes"].append(self.peer.step_bytes())
+        self.records = list(self.peer.records)  # the real step's, before compute-only records its local copies
+        return {}
+
+    def _train_steps(self) -> None:
+        for _ in range(self.steps_per_round):
+            self.peer.train_step()
+
+    def compute_only(self) -> tuple[float, float]:
+        """The peer's step with its collectives made local copies of the same size."""
+        self.barrier()
+        start = time.monotonic()
+        for _ in range(self.steps_per_round):
+            self.peer.compute_only()
+        return _per_step(start, time.monotonic(), self.steps_per_round)
+
+    def comm_only(self) -> tuple[float, float]:
+        """The collectives of the peer's last real step, replayed alone on buffers of their sizes."""
+        from .peers.common import replay
+
+        self.barrier()
+        start = time.monotonic()
+        for _ in range(self.steps_per_round):
+            replay(self.records)
+        return _per_step(start, time.monotonic(), self.steps_per_round)
+
+    def traced_round(self, rank: int, trace_dir: str) -> str | None:
+        return None  # a peer's collectives are not on commfx's timeline
 
 
 def _per_step(start: float, end: float, steps: int) -> tuple[float, float]:
@@ -233,7 +325,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
     progress = config.progress_path if rank == 0 else None
     total = config.warmup + config.steps
     _report_progress(progress, 0, total, "compiling")
-    runners = [_PlanRunner(spec, config, rank, world_size) for spec in config.plans]
+    runners = [(_PeerRunner if spec.peer else _PlanRunner)(spec, config, rank, world_size) for spec in config.plans]
     slowdown = RankSlowdown(config.slow, rank)
     for index in range(total):
         phase = "warm-up" if index < config.warmup else "measuring"

@@ -3,6 +3,13 @@ model, batch and optimizer (issue 29), each verified equal to the single-process
 
 - `deepspeed_moe` (:mod:`.deepspeed_moe`): the MoE blocks as DeepSpeed-MoE layers, trained
   through DeepSpeed's engine (Lina's baseline).
+- `ddp` (:mod:`.ddp`): the whole model on every rank under DistributedDataParallel (the dense
+  baseline: EmbRace's, and expert parallelism's without it).
+
+Every peer module gives the bench `NAME`, `preflight(model, *, ep_size, world_size,
+capacity_factor)` (one process, before any rank starts), `Runner(model, inputs, *, ep_size, lr,
+capacity_factor)` (`train_step`, `compute_only`, `step_bytes`) and `check(model, global_inputs,
+*, ep_size, lr)` (collective: a PeerCheck against the single-process model).
 
 A peer that cannot express a model raises :class:`PeerUnsupported` (a ValueError) naming what.
 Peer modules import their system lazily: importing this package needs none of them.
@@ -14,7 +21,7 @@ from types import ModuleType
 from .common import PeerCheck, PeerUnsupported, relative_diff
 
 # NAME in `--vs peer:NAME` -> the module that implements it.
-PEERS = {"deepspeed_moe": "commfx.bench.peers.deepspeed_moe"}
+PEERS = {"deepspeed_moe": "commfx.bench.peers.deepspeed_moe", "ddp": "commfx.bench.peers.ddp"}
 
 
 def peer_module(name: str) -> ModuleType:

@@ -4,8 +4,35 @@ check that a peer computes the single-process model's function before it is time
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+
+@dataclass
+class CommRecord:
+    """One collective a peer issued in a step: kind, group size, payload bytes (the tensor handed
+    in) and the group (None: the world), enough to replay it with a buffer of the same size."""
+
+    kind: str
+    group_size: int
+    nbytes: int
+    group: Any = None
+
+
+def replay(records: list[CommRecord]) -> None:
+    """A step's collectives again, alone, on buffers of their sizes (the peer's comm-only phase);
+    a group of one rank sends nothing and is skipped."""
+    import torch.distributed as dist
+
+    for record in records:
+        if record.group_size <= 1:
+            continue
+        buffer = torch.zeros(record.nbytes, dtype=torch.uint8)
+        if record.kind == "all_to_all":
+            dist.all_to_all_single(torch.empty_like(buffer), buffer, group=record.group)
+        else:
+            dist.all_reduce(buffer, group=record.group)
 
 
 class PeerUnsupported(ValueError):
@@ -77,3 +104,52 @@ def relative_diff(value: torch.Tensor, reference: torch.Tensor) -> float:
     scale = reference.abs().max().item()
     diff = (value - reference).abs().max().item()
     return diff / scale if scale > 0 else diff
+
+
+@dataclass
+class Reference:
+    """The single-process model's training step on the whole global batch: what a peer's
+    check compares against (outputs, loss, gradients, parameters before and after AdamW)."""
+
+    outputs: list[torch.Tensor]  # flat outputs with a batch dimension
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    initial: dict[str, torch.Tensor]
+    stepped: dict[str, torch.Tensor]
+
+
+def reference_step(model: torch.nn.Module, global_inputs, lr: float) -> Reference:
+    """One forward, backward and torch AdamW step of `model` (changed in place) on the whole batch."""
+    from torch.utils import _pytree as pytree
+
+    from ...models.hf import training_forward
+    from ...train import loss_fn
+    from ...verify import batch_tensors, call
+
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    with training_forward(model):
+        out = call(model, global_inputs)
+    loss = loss_fn(out, batch_tensors(global_inputs))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    outputs = [t.detach() for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return Reference(outputs, loss.detach(), grads, initial, {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def worst_over_ranks(check: PeerCheck, extra: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """Every figure of `check` replaced by its maximum over the ranks (collective; NaN counts
+    as infinite), so every rank judges every rank's; returns `extra` reduced the same way."""
+    import torch.distributed as dist
+
+    names = sorted(check.grad_diffs)
+    per_name = [check.grad_diffs, check.step_diffs, check.model_step_diffs]
+    figures = torch.tensor([check.output_diff, check.loss_diff, *extra, *[d[n] for d in per_name for n in names]],
+                           dtype=torch.float64)
+    figures = torch.nan_to_num(figures, nan=float("inf"))
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    check.output_diff, check.loss_diff = figures[0].item(), figures[1].item()
+    rest = figures[2 + len(extra):].view(len(per_name), len(names)).tolist()
+    check.grad_diffs, check.step_diffs, check.model_step_diffs = (dict(zip(names, row)) for row in rest)
+    return tuple(figures[2:2 + len(extra)].tolist())
