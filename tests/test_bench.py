@@ -189,7 +189,7 @@ def test_build_config_takes_extra_plans_and_puts_link_figures_in_their_topology(
 
 def test_bench_re_places_packed_experts_between_real_steps(tmp_path):
     # pack_experts:replace_every=1: the bench re-places after every real step (warm-up
-    # included), outside the timed span, and never after a compute-only replay.
+    # included), inside the timed step as training does, and never after a compute-only replay.
     result, stdout, _ = _bench(tmp_path, "--no-emulation", "--passes", "lift,expert_parallel,pack_experts:replace_every=1")
     plan = next(p for p in result["plans"] if p["label"] == "plan")
     layers = load_model("gpt-moe-tiny")[0].config.num_layers
