@@ -247,7 +247,9 @@ class _PeerRunner(_Runner):
         module = peer_module(spec.peer)
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
         ep = spec.plan.topology.expert_parallel_size
-        check = module.check(model, inputs, ep_size=ep, lr=config.lr)
+        # The check runs a float64 single-process reference of the whole batch it is given: a few
+        # rows per rank prove the function without the bench batch's memory.
+        check = module.check(model, _first_rows(inputs, CHECK_ROWS_PER_RANK * world_size), ep_size=ep, lr=config.lr)
         if not check.ok:
             raise RuntimeError(f"{spec.passes} is not timed: it does not compute the model's function: {check.line()}")
         self.scheduler = None  # no commfx scheduler: a straggler is slowed by its cgroup only (see config)
@@ -295,6 +297,16 @@ class _PeerRunner(_Runner):
 
     def traced_round(self, rank: int, trace_dir: str) -> str | None:
         return None  # a peer's collectives are not on commfx's timeline
+
+
+CHECK_ROWS_PER_RANK = 2
+
+
+def _first_rows(inputs, rows: int):
+    """The first `rows` rows of every tensor of a batch (a tuple, or a dict of keyword tensors)."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
 
 
 def _per_step(start: float, end: float, steps: int) -> tuple[float, float]:
