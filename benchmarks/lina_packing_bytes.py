@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/lina_packing_bytes.py benchmarks/lina_packed_100mbit_2x1.json
 
-The benchmark (RESULTS.md 5b) runs `benchmarks/models/trained_router_moe.py:build` on 2
+The benchmark (benchmarks/log/notebook-2026-11.md, 5b) runs `benchmarks/models/trained_router_moe.py:build` on 2
 nodes x 1 rank: rank r routes its half of the held-out batch. A row crosses the inter-node
 link for every (token, expert) pair whose expert lives on the other rank (plain expert
 parallelism), or, with `pack_experts`, for every unique (token, other rank) pair: the

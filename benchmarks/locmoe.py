@@ -1,7 +1,7 @@
 """LocMoE on 2 nodes x 2 ranks (4 gloo ranks on this machine): inter-node all-to-all bytes
 per step, expert load max/mean, and the final training loss on pydoc_data.topics bytes, for
 plain top-k, switch, hash and locality_gate (soft and hard), each with the flat and the
-hierarchical all-to-all. Step times come from `commfx bench` (interleaved; see RESULTS.md).
+hierarchical all-to-all. Step times come from `commfx bench` (interleaved; see benchmarks/log/notebook-2026-11.md).
 
     .venv/bin/python benchmarks/locmoe.py --steps 300 --json benchmarks/locmoe.json
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the figures in benchmarks/RESULTS.md (needs root and iproute2 for the emulated
+# Reproduce the figures of benchmarks/RESULTS.md and of the notebook it grew from (benchmarks/log/) (needs root and iproute2 for the emulated
 # cluster; without them `commfx bench` says so and runs on plain localhost).
 # Usage: benchmarks/run_bench.sh [OUTDIR]   (default: a fresh temporary directory)
 set -euo pipefail

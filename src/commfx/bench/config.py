@@ -15,7 +15,7 @@ from .straggler import SlowRank
 PEER_PREFIX = "peer:"
 
 # Benchmark-sized configurations of built-in models: big enough that compute and
-# communication both take milliseconds on the emulated cluster (see benchmarks/RESULTS.md).
+# communication both take milliseconds on the emulated cluster (see benchmarks/log/notebook-2026-11.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt-moe": {
         "num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_experts": 8, "top_k": 2,

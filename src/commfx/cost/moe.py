@@ -40,7 +40,7 @@ STEP_TIME = region_time(F) + region_time(2 * F)  # forward + backward of one lay
 
 # A chunk adds a handful of small kernels (split, regroup, expert GEMMs, merge): on a GPU a
 # few launches; on the CPU reference path about a millisecond of Python dispatch and row copies
-# (measured: split/merge and regrouping a 768 x 128 region, benchmarks/RESULTS.md).
+# (measured: split/merge and regrouping a 768 x 128 region, benchmarks/log/notebook-2026-11.md).
 CHUNK_OVERHEAD_S = {"cuda": 30e-6, "cpu": 1e-3}
 
 

@@ -20,7 +20,7 @@ token's node while staying balanced. This pass substitutes each lifted `topk_rou
 The defaults (model scores, <= 2 nodes per token, 30% of the tokens may leave, balance 1.2)
 hold from the first step, without the losses: at most 0.3 x k off-node rows per token
 (0.6 of plain top-k's (N-1)/N x k at 2 nodes, uniform); measured 0.41x plain top-k's
-inter-node bytes at step 1, load max/mean 1.22, final loss +0.9% (benchmarks/RESULTS.md).
+inter-node bytes at step 1, load max/mean 1.22, final loss +0.9% (benchmarks/log/notebook-2026-11.md).
 Lossy: it changes which experts run.
 """
 
