@@ -64,4 +64,17 @@ timeout 900 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucket
   --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs lift,expert_parallel \
   --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 3 --warmup 1 --timeout 800 \
   --json "$OUT/wire_bytes_lina_gpt_moe_100mbit_2x1.json" | tee "$OUT/wire_bytes_lina_gpt_moe_100mbit_2x1.txt"
+# RESULTS.md, Lina against DeepSpeed-MoE (issue 29): full Lina, naive expert parallel and
+# peer:deepspeed_moe in one interleaved run (pip install 'commfx[peers]'), toy and Mixtral proportions
+timeout 1500 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucket-bytes 262144 \
+  --flops-per-rank 2e10 --collective-overhead 5e-3 \
+  --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs peer:deepspeed_moe \
+  --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --inter-node 100mbit \
+  --steps 5 --warmup 1 --steps-per-round 2 --timeout 1400 \
+  --json "$OUT/peers_lina_gpt_moe_100mbit_2x1.json" | tee "$OUT/peers_lina_gpt_moe_100mbit_2x1.txt"
+timeout 1500 "$COMMFX" bench gpt-moe --proportions mixtral-8x7b --flops-per-rank 2e10 --inter-node auto \
+  --grad-bucket-bytes 262144 --collective-overhead 5e-3 \
+  --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs peer:deepspeed_moe \
+  --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --steps 5 --warmup 1 --steps-per-round 2 --timeout 1400 \
+  --json "$OUT/peers_lina_mixtral_proportions_2x1.json" | tee "$OUT/peers_lina_mixtral_proportions_2x1.txt"
 echo "results in $OUT"
