@@ -179,6 +179,10 @@ class Topology:
         return groups
 
 
+# The plan's precision settings (their dtypes live with the transform: compiler.precision).
+PRECISIONS = ("fp32", "bf16")
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -227,6 +231,11 @@ class Plan:
     # Gradients are all-reduced in buckets of about this size, each as soon as backward has
     # produced it (DDP's scheme; DDP's first bucket is 1 MiB).
     grad_bucket_bytes: int = 1 << 20
+    # Mixed precision: "fp32" computes in the model's dtype; "bf16" keeps float32 parameters
+    # (the masters the optimizer steps) and computes as torch.autocast would (matmuls, attention
+    # and experts in bfloat16; norms, softmax, the router and the loss in float32), so
+    # all-to-alls move bfloat16 rows; gradients of the float32 masters are reduced in float32.
+    precision: str = "fp32"
 
     @classmethod
     def from_cli(cls, passes: str, world_size: int | None = None, **topology: Any) -> "Plan":
@@ -259,6 +268,11 @@ class Plan:
         self.topology.validate()
         if self.grad_reduction not in ("mean", "sum"):
             raise PlanError(f"grad_reduction must be 'mean' or 'sum', got {self.grad_reduction!r}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r} "
+                "(bf16: float32 master weights, bfloat16 compute; --precision)"
+            )
         return self
 
     def spec_for(self, name: str) -> "PassSpec":

@@ -11,6 +11,7 @@ import torch
 from ..passes.base import INTERLEAVED, REGISTRY, Pass, build_options, get_pass, plan_options, written
 from ..plan import PassSpec, Plan, PlanError
 from .graph_checks import verify_graph
+from .precision import REFUSED_UNDER_MIXED_PRECISION
 from .program import PassError, Program
 
 
@@ -51,6 +52,11 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
             )
         options = build_options(pass_cls, spec.options)
         _check_refusals(plan, spec.name, pass_cls, options, facts)
+        if plan.precision != "fp32" and spec.name in REFUSED_UNDER_MIXED_PRECISION:
+            raise PlanError(
+                f"{spec.name} does not work under --precision {plan.precision} yet: {REFUSED_UNDER_MIXED_PRECISION[spec.name]}; "
+                f"use --precision fp32 with it, or drop it"
+            )
         seen.append(spec.name)
         facts.update((fact, spec.name) for fact in pass_cls.ensured(options))
         pass_cls.check_plan(plan, options, model)

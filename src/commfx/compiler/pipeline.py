@@ -11,6 +11,7 @@ import torch
 from .pass_manager import PassObserver, check_plan, run_passes
 from ..plan import Plan
 from .capture import capture
+from .precision import apply_precision
 from .program import Program
 
 
@@ -36,6 +37,12 @@ def compile_program(
     """
     check_plan(plan, model)
     program = capture(model, example_inputs, example_kwargs)
+    casts = apply_precision(program.gm, plan.precision)
+    if casts:
+        program.history.append(f"precision {plan.precision}: {casts} casts")
+        program.notes.append(
+            f"precision {plan.precision}: float32 parameters, matmuls in {plan.precision}; norms, softmax, router and loss in float32"
+        )
     if tokens_per_rank is not None:
         program.tokens_per_rank = tokens_per_rank
     return run_passes(program, plan, stop_after=stop_after, observe=observe)

@@ -256,9 +256,17 @@ def expert_ffn(
     gate_up is [E, 2I, H] (gate rows first), down is [E, H, I], both F.linear layout; E is
     the number of experts this op holds, so after expert parallelism it is the local shard.
     """
+    gate_up, down = in_rows_dtype(x, gate_up, down)
     hidden = grouped_mm(x, gate_up, counts)
     gate, up = hidden.chunk(2, dim=-1)
     return grouped_mm(ACTIVATIONS[activation](gate) * up, down, counts)
+
+
+def in_rows_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The experts' weights in the rows' dtype, as autocast casts a linear's weight: under
+    mixed precision (Plan.precision) the parameters are float32 masters and the rows
+    bfloat16. No copy when they agree; the weights' gradients are cast back by the caller."""
+    return tuple(w if w.dtype == x.dtype else w.to(x.dtype) for w in weights)
 
 
 @expert_ffn.register_fake
@@ -283,8 +291,11 @@ def expert_ffn_backward(
     grad_out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of expert_ffn for x, gate_up and down (the hidden layer is recomputed)."""
+    masters = gate_up, down
+    gate_up, down = in_rows_dtype(x, gate_up, down)
     hidden = grouped_mm(x, gate_up, counts)  # recomputed: cheaper in memory than saving it
-    return expert_ffn_backward_from_hidden(grad_out, x, hidden, counts, gate_up, down, activation)
+    grad_x, grad_gate_up, grad_down = expert_ffn_backward_from_hidden(grad_out, x, hidden, counts, gate_up, down, activation)
+    return grad_x, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
 
 
 def expert_ffn_backward_from_hidden(

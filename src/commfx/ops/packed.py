@@ -26,7 +26,7 @@ import torch
 
 from ..kernels import grouped_mm, packed_experts
 from ..runtime.expert_placement import current_placements
-from .moe import expert_capacity, weighted_expert_ffn_backward
+from .moe import expert_capacity, in_rows_dtype, weighted_expert_ffn_backward
 
 # ---------------------------------------------------------------------------- source side
 
@@ -318,7 +318,8 @@ def packed_expert_ffn(
     masked_dispatch -> expert_ffn -> moe_combine as one computation, with no laid-out copy
     of the rows and no per-assignment output in memory (the fused kernel on CUDA)."""
     row, weight, counts = _assignments(local_ids, weights, gate_up.shape[0])
-    return packed_experts(x, row, weight, counts, gate_up, down, activation)
+    gate_up, down = in_rows_dtype(x, gate_up, down)
+    return packed_experts(x, row, weight.to(x.dtype), counts, gate_up, down, activation)
 
 
 def _assignments(local_ids: torch.Tensor, weights: torch.Tensor, local_experts: int):
@@ -366,12 +367,15 @@ def packed_expert_ffn_backward(
     order, counts = _assignment_order(local_ids, gate_up.shape[0])
     row = order // local_ids.shape[1]
     laid = x[row]
+    masters = gate_up, down
+    gate_up, down = in_rows_dtype(x, gate_up, down)
     hidden = grouped_mm(laid, gate_up, counts)
     grad_laid, grad_gate_up, grad_down, grad_laid_weights = weighted_expert_ffn_backward(
         grad_out[row], weights.reshape(-1)[order], laid, hidden, counts, gate_up, down, activation)
     grad_x = torch.zeros_like(x).index_add_(0, row, grad_laid)
     grad_weights = torch.zeros_like(weights).view(-1).index_put_((order,), grad_laid_weights).view_as(weights)
-    return grad_x, grad_weights, grad_gate_up, grad_down  # remote experts' weights: zero gradient here
+    # remote experts' weights: zero gradient here
+    return grad_x, grad_weights, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
 
 
 @packed_expert_ffn_backward.register_fake

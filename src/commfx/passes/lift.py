@@ -23,6 +23,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
 from ..plan import Plan
 from ..compiler.program import Program, module_paths
+from ..compiler.precision import region_compute_dtype
 from ..compiler.regions import MoEBlock
 from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, register
@@ -199,14 +200,24 @@ def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: Expert
     num_experts = _value(gate_up).shape[0]
     activation = pattern.activation(module, compute)
     make = rw.maker(outputs[0])
+    # A region computing in a lower precision than its input (Plan.precision) dispatches rows
+    # in that precision: the all-to-alls move them so, and the experts compute in it.
+    compute_dtype, out_dtype = region_compute_dtype(compute), _value(outputs[0]).dtype
     with rw.before(outputs[0]):
+        if compute_dtype is not None and compute_dtype != _value(x).dtype:
+            x = make("to", (x, compute_dtype), f"experts compute in {str(compute_dtype).removeprefix('torch.')}", op="call_method")
+            x.meta["example_value"] = _value(x.args[0]).to(compute_dtype)
         dispatch = make(commfx.moe_dispatch.default, (x, indices, num_experts, 0.0), "lay tokens out by expert")
         rows = make(operator.getitem, (dispatch, 0))
         counts = make(operator.getitem, (dispatch, 1))
         slot = make(operator.getitem, (dispatch, 2))
         ffn = make(commfx.expert_ffn.default, (rows, counts, gate_up, down, activation), "experts")
         combine = make(commfx.moe_combine.default, (ffn, slot, weights), "weighted combine")
-    rw.replace(outputs[0], combine, erase=False)
+        result = combine
+        if compute_dtype is not None and compute_dtype != out_dtype:
+            result = make("to", (combine, out_dtype), "the region's output dtype", op="call_method")
+            result.meta["example_value"] = _value(outputs[0])
+    rw.replace(outputs[0], result, erase=False)
     rw.erase_dead(compute)
     return MoEBlock(
         path=path, pattern=pattern.name, num_experts=num_experts, top_k=_value(indices).shape[1], gate_up=gate_up.target,
