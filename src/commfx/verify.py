@@ -35,6 +35,7 @@ from .compiler.pass_manager import no_op_passes, rewrite_census
 from .plan import Plan
 
 DEFAULT_TOLERANCE = 1e-10
+MIXED_PRECISION_FORMULA = "((R + 1) x eps(bf16) + n x eps(fp32)) x max|reference|"
 # Summing n float32 terms in another order changes the result by at most ~n * eps relative
 # to the terms; tiny test batches have n <= 64 tokens per expert, and reductions in two halves
 # stay well inside 64 eps of the largest gradient entry.
@@ -70,10 +71,20 @@ class VerifyReport:
     low_precision: dict[str, tuple[float, str]] = field(default_factory=dict)
     # pass -> what it left in the distributed graph, counted (rank 0's; see Pass.evidence)
     rewrites: dict[str, dict[str, int]] = field(default_factory=dict)
+    # mixed precision (Plan.precision): the outputs' own tolerance, the formula every
+    # tolerance came from, and the run's differences from the float32 model (not judged)
+    precision: str = "fp32"
+    output_tolerance: float | None = None
+    tolerance_formula: str = ""
+    full_precision_diffs: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_diff(self) -> float:
         return worst([self.output_diff, self.replica_diff, *self.grad_diffs.values()])
+
+    @property
+    def outputs_tolerance(self) -> float:
+        return self.tolerance if self.output_tolerance is None else self.output_tolerance
 
     def tolerance_of(self, name: str) -> float:
         return self.low_precision[name][0] if name in self.low_precision else self.tolerance
@@ -82,7 +93,7 @@ class VerifyReport:
     def failures(self) -> list[str]:
         """What is over its tolerance; NaN is never within one (`not diff <= tolerance`)."""
         bad = [name for name, diff in self.grad_diffs.items() if not diff <= self.tolerance_of(name)]
-        if not self.output_diff <= self.tolerance:
+        if not self.output_diff <= self.outputs_tolerance:
             bad.insert(0, "outputs")
         if not self.replica_diff <= self.tolerance:
             bad.append("replicated grads across ranks")
@@ -95,8 +106,13 @@ class VerifyReport:
         return not self.failures
 
 
-def build_case_model(case: VerifyCase):
-    model, inputs = load_model(case.model, seed=case.seed, dtype=torch.float64, **case.model_kwargs())
+def case_dtype(case: VerifyCase) -> torch.dtype:
+    """The parameters' dtype: float64 for the exact check; float32 masters under mixed precision."""
+    return torch.float64 if case.plan.precision == "fp32" else torch.float32
+
+
+def build_case_model(case: VerifyCase, dtype: torch.dtype | None = None):
+    model, inputs = load_model(case.model, seed=case.seed, dtype=dtype or case_dtype(case), **case.model_kwargs())
     choose_experts_implementation(model)  # an HF model's default grouped_mm cannot run float64
     if case.starve_expert is not None:
         starved = 0
@@ -289,13 +305,18 @@ def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: i
     }
 
 
-def reference(case: VerifyCase, world_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Outputs and gradients of the single-process reference (see module docstring)."""
+def reference(case: VerifyCase, world_size: int, *, full_precision: bool = False) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs and gradients of the single-process reference (see module docstring). Under
+    mixed precision, the same recipe in one process; `full_precision`: the model in float32
+    without the recipe's casts (what verify reports beside it, not judged)."""
     from torch.utils import _pytree as pytree
 
-    model, inputs = build_case_model(case)
+    mixed = case.plan.precision != "fp32"
+    model, inputs = build_case_model(case, dtype=torch.float32 if full_precision else None)
     scale = case.plan.grad_scale  # the distributed run checks its world is the plan's
     capacity = plan_options(case.plan, "expert_parallel").capacity_factor if "expert_parallel" in case.plan.pass_names() else 0.0
+    if mixed and not full_precision:
+        return _capacity_reference(case, model, inputs, case.plan.topology.dp, scale, capacity, case.plan.precision)
     if capacity <= 0:
         with training_forward(model):
             outputs, _ = pytree.tree_flatten(call(model, inputs))
@@ -328,7 +349,10 @@ def _per_shard_reference(case, model, inputs, shards, scale):
     return [o.detach() for o in outputs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _capacity_reference(case, model, inputs, shards, scale, capacity):
+def _capacity_reference(case, model, inputs, shards, scale, capacity, precision: str = "fp32"):
+    """The single-process lifted graph, no communication. With capacity, on each rank's slice
+    (dropping depends on it); under mixed precision, the same recipe (`precision`'s casts) on
+    the whole batch when nothing is dropped."""
     from torch.utils import _pytree as pytree
 
     from .compiler.pipeline import compile_program
@@ -336,9 +360,12 @@ def _capacity_reference(case, model, inputs, shards, scale, capacity):
     from .plan import PassSpec, Topology
     from .runtime.comm import install_default, local_scheduler
 
-    single = Plan(Topology(world_size=1), (PassSpec("lift"),))
+    single = Plan(Topology(world_size=1), (PassSpec("lift"),), precision=precision)
     program = compile_program(copy.deepcopy(model), single, local_batch(inputs, shards, 0))
-    set_capacity(program, capacity)
+    if capacity > 0:
+        set_capacity(program, capacity)
+    else:
+        shards = 1
     install_default(local_scheduler())
     pieces = []
     for rank in range(shards):
@@ -353,13 +380,32 @@ def _capacity_reference(case, model, inputs, shards, scale, capacity):
     return [o.detach() for o in outputs], grads
 
 
+def mixed_precision_tolerance(reference: torch.Tensor, ranks: int, tokens: int, precision: str = "bf16") -> float:
+    """The tolerance of one tensor of a mixed-precision run against the same recipe in one process.
+
+    Both runs round the same per-token values the same way; what differs is how reductions
+    over tokens are split. The distributed run sums a reduction (a weight gradient over the
+    tokens) as R partial products, one per data-parallel rank, each rounded once to bf16, and
+    adds them in fp32; the reference rounds the whole sum once. Each rounding is within
+    eps(bf16)/2 of its value, so R + 1 roundings differ by at most (R + 1) x eps/2 of the
+    largest partial; the fp32 accumulation of a reduction of length n (the global tokens, the
+    longest reduction: a weight gradient's) adds at most n x eps(fp32). Relative to the
+    reference's largest entry, with a margin of 2 for partials larger than their sum:
+    ((R + 1) x eps(bf16) + n x eps(fp32)) x max|reference|."""
+    from .compiler.precision import precision_dtype
+
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    eps_low, eps_fp32 = torch.finfo(precision_dtype(precision)).eps, torch.finfo(torch.float32).eps
+    return ((ranks + 1) * eps_low + tokens * eps_fp32) * scale
+
+
 def low_precision_tolerances(case: VerifyCase, ref_grads: dict[str, torch.Tensor], tolerance: float) -> dict[str, tuple[float, str]]:
     """Gradients of parameters the model computes in a coarser dtype: their tolerance and why."""
     from .compiler.capture import capture
     from .compiler.precision import low_precision_parameters
 
     model, inputs = build_case_model(case)
-    found = low_precision_parameters(capture(model, inputs).gm, torch.float64)
+    found = low_precision_parameters(capture(model, inputs).gm, case_dtype(case))
     judged = {}
     for name, low in found.items():
         if name in ref_grads:
@@ -399,8 +445,12 @@ def ranks_not_finite(rank_results: list[dict]) -> list[str]:
 
 
 def compare(
-    case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float, ref: tuple | None = None
+    case: VerifyCase, rank_results: list[dict], world_size: int, tolerance: float, ref: tuple | None = None,
+    full_precision: tuple | None = None,
 ) -> VerifyReport:
+    """The distributed run against the reference. Under mixed precision every output and
+    gradient is judged at `mixed_precision_tolerance`, and `full_precision` (the float32
+    model's outputs and gradients) gives the differences reported beside them."""
     from .compiler.sharding import assemble
 
     ref_outputs, ref_grads = ref if ref is not None else reference(case, world_size)
@@ -414,7 +464,7 @@ def compare(
         lead = with_outputs[i // tp * tp]
         output_diff = worst([output_diff] + [max_abs_diff(a, b) for a, b in zip(result["outputs"], lead["outputs"])])
     ep = topology.expert_parallel_size
-    grad_diffs, replica_diff = {}, 0.0
+    grad_diffs, replica_diff, assembled = {}, 0.0, {}
     for name, ref in ref_grads.items():
         holders = [r for r in rank_results if name in r["grads"]]  # every rank, or one stage's ranks
         if not holders:
@@ -428,12 +478,31 @@ def compare(
             replicas = [torch.cat([r["grads"][name] for r in block]) for block in blocks]
         else:
             replicas = [r["grads"][name] for r in holders]
-        full = replicas[0]
+        full = assembled[name] = replicas[0]
         grad_diffs[name] = max_abs_diff(full, ref)
         replica_diff = worst([replica_diff] + [max_abs_diff(x, full) for x in replicas])
     missing = set().union(*(r["grads"] for r in rank_results)) ^ set(ref_grads)
     if missing:
         raise AssertionError(f"gradients present on one side only: {sorted(missing)}")
+    low_precision = low_precision_tolerances(case, ref_grads, tolerance)
+    mixed: dict = {}
+    if case.plan.precision != "fp32":
+        ranks, tokens = topology.dp, sum(r["tokens"] for r in rank_results) // (tp * topology.pp)
+        formula = f"{MIXED_PRECISION_FORMULA}, R = {ranks} data-parallel ranks, n = {tokens} tokens"
+        for name, ref in ref_grads.items():
+            if name in grad_diffs:
+                low_precision[name] = (max(tolerance, mixed_precision_tolerance(ref, ranks, tokens, case.plan.precision)), formula)
+        mixed = {
+            "precision": case.plan.precision,
+            "output_tolerance": max(tolerance, worst(mixed_precision_tolerance(r, ranks, tokens, case.plan.precision) for r in ref_outputs)),
+            "tolerance_formula": formula,
+        }
+        if full_precision is not None:
+            fp_outputs, fp_grads = full_precision
+            mixed["full_precision_diffs"] = {
+                "outputs": worst(max_abs_diff(o, r.to(o.dtype)) for o, r in zip(outputs, fp_outputs)),
+                "grads": worst(max_abs_diff(assembled[name], g.to(assembled[name].dtype)) for name, g in fp_grads.items() if name in assembled),
+            }
     return VerifyReport(
         case,
         output_diff,
@@ -443,8 +512,9 @@ def compare(
         [r["tokens"] for r in rank_results],
         rows_per_rank=[r["rows"] for r in rank_results],
         not_finite=ranks_not_finite(rank_results),
-        low_precision=low_precision_tolerances(case, ref_grads, tolerance),
+        low_precision=low_precision,
         rewrites=rank_results[0]["rewrites"],
+        **mixed,
     )
 
 
@@ -454,13 +524,16 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
     here first, before any rank starts."""
     from .runtime.launcher import launch
 
-    references = []
+    references, full_precision = [], []
     for case in cases:
         if case.plan.topology.world_size != world_size:
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
         model, inputs = build_case_model(case)
         preflight(model, case.plan, inputs)
         references.append(checked_reference(case, world_size))
+        full_precision.append(reference(case, world_size, full_precision=True) if case.plan.precision != "fp32" else None)
     collective_timeout_s = max(case.plan.collective_timeout_s for case in cases)
     results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
-    return [compare(case, [r[i] for r in results], world_size, tolerance, references[i]) for i, case in enumerate(cases)]
+    return [
+        compare(case, [r[i] for r in results], world_size, tolerance, references[i], full_precision[i]) for i, case in enumerate(cases)
+    ]

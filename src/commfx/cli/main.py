@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..plan import Plan, PlanError
+from ..plan import PRECISIONS, Plan, PlanError
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 from .checks import check_local_world, check_output_paths, numbers_as_values, report_defect
@@ -38,6 +38,13 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
     parser.add_argument(
         "--tp", type=positive_int, default=1, help="tensor-parallel size (needs the tensor_parallel pass; default 1)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32 (default), or bf16: float32 master weights, bfloat16 compute (matmuls, attention, experts; "
+        "norms, softmax, router and loss in float32), all-to-alls in bfloat16, gradients reduced in float32",
+    )
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -51,7 +58,7 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 def _plan(args) -> Plan:
     plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, pp=args.pp, tp=args.tp, ranks_per_node=args.ranks_per_node)
-    return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout)
+    return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision)
 
 
 def cmd_passes(args) -> int:
@@ -127,24 +134,38 @@ def cmd_verify(args) -> int:
     check_local_world(args.world_size, f"--world-size {args.world_size}")
     plan = _plan(args)
     case = VerifyCase(args.model, plan, batch=args.batch, seed=args.seed)
-    console.print(
-        f"verifying {args.model} with passes {args.passes} on {args.world_size} gloo ranks against a "
-        f"single-process float64 reference (tolerance {args.tolerance:g}) ..."
+    mixed = plan.precision != "fp32"
+    against = (
+        f"a single-process run of the same {plan.precision} recipe (float32 master weights; each tensor's tolerance "
+        f"from {plan.precision}'s epsilon and the reduction lengths)"
+        if mixed
+        else f"a single-process float64 reference (tolerance {args.tolerance:g})"
     )
+    console.print(f"verifying {args.model} with passes {args.passes} on {args.world_size} gloo ranks against {against} ...", soft_wrap=True)
     start = time.perf_counter()
     (report,) = verify([case], args.world_size, tolerance=args.tolerance, timeout_s=args.timeout)
     table = Table(title=f"{args.model}: distributed vs reference (max |difference|)")
     table.add_column("tensor")
     table.add_column("max abs diff", justify="right")
     table.add_column("tolerance", justify="right")
-    table.add_row("outputs", f"{report.output_diff:.3e}", f"{args.tolerance:g}")
+    table.add_row("outputs", f"{report.output_diff:.3e}", f"{report.outputs_tolerance:.3g}")
     for name, diff in sorted(report.grad_diffs.items()):
         marker = " *" if name in report.low_precision else ""
         table.add_row(f"grad {name}{marker}", f"{diff:.3e}", f"{report.tolerance_of(name):.3g}")
     table.add_row("replicated grads across ranks", f"{report.replica_diff:.3e}", f"{args.tolerance:g}")
     console.print(table)
-    for name, (tol, why) in sorted(report.low_precision.items()):
-        console.print(f"* grad {name}: judged at {tol:.3g}: {why}", soft_wrap=True)
+    if mixed:
+        console.print(f"* every tensor is judged at {report.tolerance_formula}", soft_wrap=True)
+        fp = report.full_precision_diffs
+        if fp:
+            console.print(
+                f"beside it, the float32 model without the {plan.precision} casts differs from this run by {fp['outputs']:.3e} "
+                f"in outputs and {fp['grads']:.3e} at most in gradients (the cost of {plan.precision} itself; not judged)",
+                soft_wrap=True,
+            )
+    else:
+        for name, (tol, why) in sorted(report.low_precision.items()):
+            console.print(f"* grad {name}: judged at {tol:.3g}: {why}", soft_wrap=True)
     for name, found in report.rewrites.items():
         console.print(f"rewrite {name}: " + (", ".join(f"{what} x{n}" for what, n in found.items()) or "nothing (a no-op fails)"), soft_wrap=True)
     console.print(
@@ -163,7 +184,8 @@ def cmd_verify(args) -> int:
         console.print(Text.assemble(verdict, f": {detail}" + (f"; also over tolerance: {', '.join(others)}" if others else "")), soft_wrap=True)
         return 1
     detail = "" if report.ok else f"; over tolerance: {', '.join(report.failures)}"
-    console.print(Text.assemble(verdict, f": largest difference {report.max_diff:.3e} (tolerance {args.tolerance:g}){detail}"), soft_wrap=True)
+    judged = "each tensor's tolerance above" if mixed else f"tolerance {args.tolerance:g}"
+    console.print(Text.assemble(verdict, f": largest difference {report.max_diff:.3e} ({judged}){detail}"), soft_wrap=True)
     return 0 if report.ok else 1
 
 
@@ -224,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--diff", metavar="PASS", help="show what one pass of the plan changed: the graph before and after it, as a unified diff")
     dump.set_defaults(func=cmd_dump)
 
-    verify = sub.add_parser("verify", help="check the rewrite against a single-process float64 reference")
+    verify = sub.add_parser(
+        "verify", help="check the rewrite against a single-process float64 reference (under --precision bf16: the same bf16 recipe)"
+    )
     _plan_args(verify)
     verify.add_argument("--tolerance", type=non_negative_float, default=1e-10)
     verify.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
