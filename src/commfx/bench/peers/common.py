@@ -153,3 +153,20 @@ def worst_over_ranks(check: PeerCheck, extra: tuple[float, ...] = ()) -> tuple[f
     rest = figures[2 + len(extra):].view(len(per_name), len(names)).tolist()
     check.grad_diffs, check.step_diffs, check.model_step_diffs = (dict(zip(names, row)) for row in rest)
     return tuple(figures[2:2 + len(extra)].tolist())
+
+
+def score_forward(check: PeerCheck, outputs, loss: torch.Tensor, reference: Reference) -> None:
+    """Set `check`'s output and loss figures: this rank's outputs against the reference's rows
+    for this rank, and the mean of the ranks' losses against the reference loss (collective)."""
+    import torch.distributed as dist
+    from torch.utils import _pytree as pytree
+
+    from ...verify import local_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [t for t in pytree.tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    theirs = [local_batch((t,), world, rank)[0] for t in reference.outputs]
+    check.output_diff = max((relative_diff(a, b) for a, b in zip(mine, theirs, strict=True)), default=float("nan"))
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    check.loss_diff = relative_diff(mean_loss / world, reference.loss)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .common import CommRecord, PeerCheck, reference_step, relative_diff, worst_over_ranks
+from .common import CommRecord, PeerCheck, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "ddp"
 TOLERANCE = 1e-10  # float64, the same sums in another order
@@ -84,7 +84,6 @@ def check(model: nn.Module, global_inputs, *, ep_size: int, lr: float = 1e-2, dt
           **_) -> PeerCheck:
     """DDP on this rank's share of `global_inputs` against the single-process model on the whole
     batch, in `dtype`: outputs, mean loss, averaged gradients and the AdamW step (collective)."""
-    from torch.utils import _pytree as pytree
 
     from ...models.hf import choose_experts_implementation, training_forward
     from ...train import loss_fn
@@ -102,12 +101,7 @@ def check(model: nn.Module, global_inputs, *, ep_size: int, lr: float = 1e-2, dt
     loss = loss_fn(out, batch_tensors(inputs))
     loss.backward()
     check_ = PeerCheck(NAME, TOLERANCE, TOLERANCE_REASON, step_tolerance=TOLERANCE)
-    outputs = [t for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
-    ref_outputs = [local_batch((t,), world, rank)[0] for t in ref.outputs]
-    check_.output_diff = max((relative_diff(a, b) for a, b in zip(outputs, ref_outputs, strict=True)), default=float("nan"))
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss)
-    check_.loss_diff = relative_diff(mean_loss / world, ref.loss)
+    score_forward(check_, out, loss, ref)
     named = dict(peer.module.named_parameters())
     check_.grad_diffs = {n: relative_diff(p.grad, ref.grads[n]) for n, p in named.items()}
     peer.optimizer.step()

@@ -67,7 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .common import CommRecord, PeerCheck, PeerUnsupported, reference_step, relative_diff, worst_over_ranks
+from .common import CommRecord, PeerCheck, PeerUnsupported, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "deepspeed_moe"
 
@@ -551,7 +551,6 @@ def check_deepspeed_moe(model: nn.Module, global_inputs, *, ep_size: int, lr: fl
     Differences are relative to each reference tensor's largest entry, the maximum over ranks.
     With `drop_tokens=True` the notes count the assignments DeepSpeed dropped; any drop makes
     the peer another function than the model."""
-    from torch.utils import _pytree as pytree
 
     from ...models.hf import choose_experts_implementation, training_forward
     from ...train import loss_fn
@@ -581,12 +580,7 @@ def check_deepspeed_moe(model: nn.Module, global_inputs, *, ep_size: int, lr: fl
         return values[model_name] if expert is None else values[model_name][expert]
 
     check = PeerCheck(NAME, PEER_TOLERANCE, PEER_TOLERANCE_REASON, step_tolerance=STEP_TOLERANCE)
-    peer_outputs = [t for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
-    ref_outputs = [local_batch((t,), world, rank)[0] for t in ref.outputs]
-    check.output_diff = max((relative_diff(a, b) for a, b in zip(peer_outputs, ref_outputs, strict=True)), default=float("nan"))
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss)
-    check.loss_diff = relative_diff(mean_loss / world, ref.loss)
+    score_forward(check, out, loss, ref)
     named = dict(peer.module.named_parameters())
     check.grad_diffs = {n: relative_diff(p.grad, source(n, ref.grads)) for n, p in named.items()}
     # The model's initial parameters, stepped by torch's AdamW from the peer's gradients.
