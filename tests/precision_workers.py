@@ -54,3 +54,26 @@ def _sent(record, rank: int) -> int:
         numel *= size
     rows = sum(record.send_rows) - record.send_rows[rank]
     return rows * numel * torch.empty((), dtype=record.dtype).element_size()
+
+
+def under_the_backend(rank: int, world_size: int) -> dict:
+    """gpt-moe-tiny under torch.compile's commfx backend with a bf16 plan: the all-to-alls'
+    row dtypes, the output's and gradients' dtypes, and how far it is from the eager model."""
+    from commfx.backend import backend
+
+    model, (ids,) = load_model("gpt-moe-tiny")
+    local = split_batch(ids, world_size, rank)
+    eager = model(local).detach()
+    be = backend(dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=world_size), precision="bf16"), model)
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    compiled(local)  # compiles
+    be._scheduler.records = []
+    out = compiled(local)
+    out.square().mean().backward()
+    rows = [r for r in be._scheduler.records if r.kind == "all_to_all" and r.dtype.is_floating_point]
+    return {
+        "row_dtypes": sorted({str(r.dtype) for r in rows}),
+        "out_dtype": str(out.dtype),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        "diff_from_eager": (out.detach() - eager).abs().max().item() / eager.abs().max().item(),
+    }

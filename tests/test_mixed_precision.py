@@ -112,3 +112,18 @@ def test_passes_that_cannot_take_bf16_are_refused_by_name(passes):
 
     with pytest.raises(PlanError, match=r"tensor_parallel does not work under --precision bf16 yet: its recognisers"):
         check_plan(bf16(passes, tp=2))
+
+
+@pytest.mark.distributed
+def test_the_compile_backend_takes_the_plans_precision():
+    for rank in launch("precision_workers:under_the_backend", 2, {}, timeout_s=180):
+        assert rank["row_dtypes"] == ["torch.bfloat16"] and rank["out_dtype"] == "torch.float32"
+        assert rank["grad_dtypes"] == ["torch.float32"]
+        assert 0 < rank["diff_from_eager"] < 0.05, "bf16 compute: close to the float32 model, not equal to it"
+
+
+@pytest.mark.distributed
+def test_bf16_verify_passes_through_the_moe_passes():
+    passes = ["lift,expert_parallel,partition_a2a:k=2", "lift,expert_parallel,pack_experts"]
+    for report in verify([VerifyCase("gpt-moe-tiny", bf16(p)) for p in passes], 2, timeout_s=300):
+        assert report.ok, (report.case.plan.passes, report.failures, report.max_diff)

@@ -43,6 +43,7 @@ from .compiler.capture import to_fx_convention, tokens_of
 from .compiler.lower import compile_training
 from .compiler.program import Program
 from .compiler.pass_manager import check_plan, run_passes
+from .compiler.precision import apply_precision
 from .plan import PassSpec, Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
 from .runtime.eager_grads import EagerGradientSync
@@ -82,6 +83,7 @@ class CommfxBackend:
             # for new shapes, maybe on one rank only) reuse its figure and run no collective.
             self._agreed_tokens = _world_max(scheduler, _size_hint(tokens_of(tuple(user_inputs))))
         program.tokens_per_rank = self._agreed_tokens
+        apply_precision(program.gm, self.plan.precision)  # Plan.precision's casts, before any pass
         program = run_passes(program, self.plan, where_applicable=True)
         lowering, bound = _tensors_as_inputs(program.gm, bound)
         # The user's parameters are full-size (experts sliced in-graph), so every gradient,

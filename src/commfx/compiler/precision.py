@@ -139,10 +139,14 @@ def _is_fp32_op(node: fx.Node) -> bool:
 
 
 def region_compute_dtype(nodes) -> torch.dtype | None:
-    """The dtype a region's matmuls compute in (None without one): lift keeps it, so a
-    region the precision transform cast to bfloat16 dispatches bfloat16 rows."""
+    """The dtype a region's matmuls compute in, where the precision transform cast them
+    (None elsewhere: a model's own casts are left as lift always left them): lift keeps it,
+    so such a region dispatches bfloat16 rows."""
+    nodes = [n for n in nodes if isinstance(n, fx.Node)]
+    if not any((n.meta.get("commfx") or {}).get("pass") == "precision" for n in nodes):
+        return None
     for node in nodes:
-        if isinstance(node, fx.Node) and is_compute_op(node):
+        if is_compute_op(node):
             value = _dtype_of(node)
             if value is not None and value.is_floating_point:
                 return value
@@ -248,9 +252,14 @@ class _Refresh:
 
     def __init__(self, graph: fx.Graph):
         from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensor
 
+        # The mode of the graph's own fake values (under torch.compile's backend the tracing
+        # context may hold another one).
         values = [n.meta.get("example_value") for n in graph.nodes if n.op in ("placeholder", "get_attr")]
-        self.mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+        self.mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None) or detect_fake_mode(
+            [v for v in values if isinstance(v, torch.Tensor)]
+        )
         self.changed: set[fx.Node] = set()
 
     def __call__(self, node: fx.Node, force: bool = False) -> None:
