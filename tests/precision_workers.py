@@ -35,6 +35,7 @@ def bytes_and_master_weights(rank: int, world_size: int) -> dict:
         out[precision] = {
             "a2a_bytes": stats["all_to_all"]["intra_node_bytes"] + stats["all_to_all"]["inter_node_bytes"],
             "a2a_row_dtypes": sorted({str(r.dtype) for r in rows}),
+            "a2a_rows": [r.send_rows for r in rows],
             "a2a_row_bytes": sum(_sent(r, rank) for r in rows),
             "other_a2a_bytes": sum(_sent(r, rank) for r in records if r.kind == "all_to_all" and r not in rows),
             "grad_all_reduce_bytes": stats.get("grad_all_reduce", {}).get("intra_node_bytes", 0),
