@@ -168,3 +168,124 @@ def ddp_check(rank: int, world_size: int, model: str, perturb_rank: int | None =
             next(module.parameters()).add_(0.1)
     result = check(module, inputs, ep_size=1, lr=1e-2)
     return {"ok": result.ok, "line": result.line(), "grad_diffs": result.grad_diffs, "output_diff": result.output_diff}
+
+
+# ------------------------------------------------------------------------------ peer:dtensor_tp
+
+
+class _TPAttention(torch.nn.Module):
+    """Separate q/k/v/o; heads shaped by the `num_heads` attribute (PyTorch's TP example style,
+    `full_width=False`) or from the replicated input's width (`d // num_heads`, `full_width=True`)."""
+
+    def __init__(self, hidden, heads, full_width):
+        super().__init__()
+        self.num_heads, self.head_dim, self.full_width = heads, hidden // heads, full_width
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(hidden, hidden, bias=name != "k") for name in "qkv")
+        self.o_proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, h):
+        b, s, d = h.shape
+        head_dim = d // self.num_heads if self.full_width else self.head_dim
+        q, k, v = (f(h).view(b, s, self.num_heads, head_dim).transpose(1, 2) for f in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o_proj(y.reshape(b, s, d if self.full_width else self.num_heads * self.head_dim))
+
+
+class _TPLayer(torch.nn.Module):
+    def __init__(self, hidden, heads, mlp, full_width):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.attn = _TPAttention(hidden, heads, full_width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, mlp), torch.nn.GELU(), torch.nn.Linear(mlp, hidden))
+
+    def forward(self, h):
+        h = h + self.attn(self.ln1(h))
+        return h + self.mlp(self.ln2(h))
+
+
+class DenseHeads(torch.nn.Module):
+    """A dense GPT whose attention keeps its head count in an attribute (float64 tests)."""
+
+    def __init__(self, vocab=32, hidden=32, heads=4, mlp=48, full_width=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList([_TPLayer(hidden, heads, mlp, full_width) for _ in range(2)])
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _tp_model(spec: str):
+    if spec in ("dense-heads", "dense-full-width"):
+        torch.manual_seed(0)
+        model = DenseHeads(full_width=spec == "dense-full-width")
+        return model, (torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1)),)
+    return load_model(spec, batch=4)
+
+
+def dtensor_tp_checks(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """dtensor_tp_check for each case (its keyword arguments), in one launch."""
+    return [dtensor_tp_check(rank, world_size, **case) for case in cases]
+
+
+def dtensor_tp_check(rank: int, world_size: int, model: str, restyle: dict | None = None, perturb: str | None = None,
+                     perturb_rank: int = 1) -> dict:
+    """peer:dtensor_tp's check on `model` (float64): `restyle` changes the inferred plan (path ->
+    style; None removes the linear from it), `perturb` adds 0.1 to that parameter on
+    `perturb_rank` only (DTensor scatters the split weights from rank 0, so that rank's reference
+    differs from the model the peer runs). Returns the PeerCheck, or the PeerUnsupported message."""
+    import dataclasses
+
+    from commfx.bench.peers import PeerUnsupported
+    from commfx.bench.peers.dtensor_tp import check, infer_plan
+
+    module, inputs = _tp_model(model)
+    if perturb is not None and rank == perturb_rank:
+        with torch.no_grad():
+            module.get_parameter(perturb).add_(0.1)
+    try:
+        styles = None
+        if restyle:
+            styles = infer_plan(module, inputs, world_size)[0]
+            for path, style in restyle.items():
+                styles.pop(path) if style is None else styles.__setitem__(path, style)
+        result = check(module, inputs, ep_size=1, lr=1e-2, styles=styles)
+    except PeerUnsupported as error:
+        return {"unsupported": str(error)}
+    return dataclasses.asdict(result) | {"ok": result.ok, "line": result.line()}
+
+
+def dtensor_tp_steps(rank: int, world_size: int, model: str, steps: int = 2) -> dict:
+    """The float32 peer trained `steps` steps on the whole batch, then one compute-only step: its
+    records, bytes, losses, and the collectives that reached the wire in each."""
+    from commfx.bench.peers.dtensor_tp import DTensorTPPeer, _Collectives
+
+    module, inputs = _tp_model(model)
+    peer = DTensorTPPeer(module, inputs, ep_size=1, lr=1e-2)
+    losses = [peer.train_step().item() for _ in range(steps)]
+    records = [(r.kind, r.group_size, r.nbytes) for r in peer.records]
+    with _Collectives() as outer:  # below compute-only's own mode: sees what still communicates
+        peer.compute_only()
+    digest = hashlib.sha256()
+    for p in peer.module.parameters():
+        digest.update((p.to_local() if hasattr(p, "to_local") else p).detach().numpy().tobytes())
+    return {"losses": losses, "records": records, "bytes": peer.step_bytes(), "records_after_compute_only": len(peer.records),
+            "compute_only_collectives": len(outer.records), "params_digest": digest.hexdigest(), "notes": peer.notes}
+
+
+def dtensor_tp_split_batch(rank: int, world_size: int) -> str:
+    """The peer handed each rank its own half of the batch (a bench run without --tp WORLD)."""
+    from commfx.bench.peers import PeerUnsupported
+    from commfx.bench.peers.dtensor_tp import DTensorTPPeer
+    from commfx.verify import local_batch
+
+    module, inputs = _tp_model("dense-heads")
+    try:
+        DTensorTPPeer(module, local_batch(inputs, world_size, rank), ep_size=1, lr=1e-2)
+    except PeerUnsupported as error:
+        return str(error)
+    return "accepted"

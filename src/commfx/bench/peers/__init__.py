@@ -5,6 +5,9 @@ model, batch and optimizer (issue 29), each verified equal to the single-process
   through DeepSpeed's engine (Lina's baseline).
 - `ddp` (:mod:`.ddp`): the whole model on every rank under DistributedDataParallel (the dense
   baseline: EmbRace's, and expert parallelism's without it).
+- `dtensor_tp` (:mod:`.dtensor_tp`): the attention and MLP blocks tensor-parallel with torch's
+  DTensor `ColwiseParallel`/`RowwiseParallel`, the split commfx's tensor_parallel infers, the
+  whole batch on every rank (ZERO-resizing's baseline; the bench runs it with `--tp WORLD`).
 
 Every peer module gives the bench `NAME`, `preflight(model, *, ep_size, world_size,
 capacity_factor)` (one process, before any rank starts), `Runner(model, inputs, *, ep_size, lr,
@@ -21,7 +24,8 @@ from types import ModuleType
 from .common import PeerCheck, PeerUnsupported, relative_diff
 
 # NAME in `--vs peer:NAME` -> the module that implements it.
-PEERS = {"deepspeed_moe": "commfx.bench.peers.deepspeed_moe", "ddp": "commfx.bench.peers.ddp"}
+PEERS = {"deepspeed_moe": "commfx.bench.peers.deepspeed_moe", "ddp": "commfx.bench.peers.ddp",
+         "dtensor_tp": "commfx.bench.peers.dtensor_tp"}
 
 
 def peer_module(name: str) -> ModuleType:
