@@ -93,6 +93,12 @@ def test_preflight_refuses_a_head_count_the_world_does_not_divide():
     module.preflight(DenseHeads(heads=4), ep_size=1, world_size=2)
     with pytest.raises(PeerUnsupported, match=r"layers.0.attn.num_heads=4: tensor parallelism over the 3 ranks"):
         module.preflight(DenseHeads(heads=4), ep_size=1, world_size=3)
+    from commfx.models import load_model
+
+    model, inputs = load_model("gpt-moe-tiny")  # given the batch, the plan is inferred here: a fused qkv is refused
+    module.preflight(model, ep_size=1, world_size=2)
+    with pytest.raises(PeerUnsupported, match=r"layers.0.attn.qkv: a fused linear of 3 parts"):
+        module.preflight(model, ep_size=1, world_size=2, inputs=inputs)
 
 
 @pytest.mark.distributed

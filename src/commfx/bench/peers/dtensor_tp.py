@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .common import CommRecord, PeerCheck, PeerUnsupported, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "dtensor_tp"
+WHOLE_BATCH = True  # every rank runs the whole batch: the tensor-parallel group is the world
 TOLERANCE = 1e-10  # float64, the rowwise partial sums added in another order
 TOLERANCE_REASON = "float64; DTensor's all-reduce adds the rowwise partial sums in its own order"
 # Attributes an attention module may shape its heads by (torchtitan's first plans divided n_heads
@@ -179,15 +180,17 @@ def _same_batch_everywhere(inputs) -> None:
             f"but the ranks were handed different batches: run the bench with --tp {dist.get_world_size()}")
 
 
-def preflight(model: nn.Module, *, ep_size: int, world_size: int, capacity_factor: float = 0.0) -> None:
-    """What can be refused without the batch (one process, before any rank starts): a head count
-    the world does not divide. The plan itself needs the batch (commfx infers it from a capture):
-    a model it cannot split for DTensor is refused by `check` on every rank, before timing."""
+def preflight(model: nn.Module, *, ep_size: int, world_size: int, capacity_factor: float = 0.0, inputs=None) -> None:
+    """What can be refused in one process before any rank starts: a head count the world does not
+    divide; given the batch (`inputs`), also a model the inferred plan cannot split for DTensor (a
+    fused q/k/v, no block). Without it, those are refused by `check` on every rank, before timing."""
     from ...passes.tensor_parallel import _head_counts
 
     for where, name, value in _head_counts(model):
         if value % world_size:
             raise PeerUnsupported(f"{where}.{name}={value}: tensor parallelism over the {world_size} ranks does not divide it")
+    if inputs is not None:
+        infer_plan(model, inputs, world_size)
 
 
 class DTensorTPPeer:
