@@ -121,7 +121,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
     for s in specs:  # every plan compiles here first: errors surface once, before ranks start
         model_module, inputs = load_model(model, seed=seed, **kwargs)
         if s.peer:
-            _peer_preflight(s, model_module)
+            _peer_preflight(s, model_module, inputs)
         else:
             preflight(model_module, s.plan, inputs)
     if steps < 1 or warmup < 0:
@@ -130,14 +130,15 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
                        slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy), steps_per_round=steps_per_round)
 
 
-def _peer_preflight(spec: PlanSpec, model) -> None:
+def _peer_preflight(spec: PlanSpec, model, inputs) -> None:
     """What the peer would refuse on every rank, said once here (unknown peer, a model it
     cannot express, its system not installed)."""
     from .peers import peer_module
 
     try:
         module = peer_module(spec.peer)
-        module.preflight(model, ep_size=spec.plan.topology.expert_parallel_size, world_size=spec.plan.topology.world_size)
+        module.preflight(model, ep_size=spec.plan.topology.expert_parallel_size, world_size=spec.plan.topology.world_size,
+                         inputs=inputs)
     except ImportError as missing:
         raise ValueError(f"{spec.passes}: {missing.name or missing} is not installed (pip install 'commfx[peers]')") from None
     except ValueError as refused:

@@ -255,7 +255,9 @@ class _PeerRunner(_Runner):
         self.scheduler = None  # no commfx scheduler: a straggler is slowed by its cgroup only (see config)
         self.samples["peer_check"] = check.line()
         self.samples["peer_bytes"] = []
-        self.peer = module.Runner(model, local_batch(inputs, *data_share(spec.plan, rank)), ep_size=ep, lr=config.lr)
+        # A tensor-parallel peer computes on the whole batch on every rank; the others on a data-parallel share.
+        shares = (1, 0) if getattr(module, "WHOLE_BATCH", False) else data_share(spec.plan, rank)
+        self.peer = module.Runner(model, local_batch(inputs, *shares), ep_size=ep, lr=config.lr)
 
     def barrier(self) -> None:
         import torch.distributed as dist

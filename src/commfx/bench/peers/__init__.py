@@ -10,7 +10,7 @@ model, batch and optimizer (issue 29), each verified equal to the single-process
   whole batch on every rank (ZERO-resizing's baseline; the bench runs it with `--tp WORLD`).
 
 Every peer module gives the bench `NAME`, `preflight(model, *, ep_size, world_size,
-capacity_factor)` (one process, before any rank starts), `Runner(model, inputs, *, ep_size, lr,
+capacity_factor, inputs)` (one process, before any rank starts), `Runner(model, inputs, *, ep_size, lr,
 capacity_factor)` (`train_step`, `compute_only`, `step_bytes`) and `check(model, global_inputs,
 *, ep_size, lr)` (collective: a PeerCheck against the single-process model).
 

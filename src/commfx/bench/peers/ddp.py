@@ -21,7 +21,7 @@ TOLERANCE_REASON = "float64; DDP sums the ranks' gradients in its own order"
 BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb default
 
 
-def preflight(model: nn.Module, *, ep_size: int, world_size: int, capacity_factor: float = 0.0) -> None:
+def preflight(model: nn.Module, *, ep_size: int, world_size: int, capacity_factor: float = 0.0, inputs=None) -> None:
     """DDP expresses any model; the model must fit on one rank, which nothing here can check."""
 
 

@@ -279,7 +279,7 @@ def _expert_groups(ep_size: int):
 
 
 def preflight(model: nn.Module, *, ep_size: int, world_size: int, capacity_factor: float = 1.0,
-              drop_tokens: bool = False) -> list[MoESpec]:
+              drop_tokens: bool = False, inputs=None) -> list[MoESpec]:
     """What every rank would refuse, found in one process before any rank starts (no process
     group needed): the model's MoE blocks as the peer reads them, or PeerUnsupported; an
     ImportError when DeepSpeed is not installed."""
