@@ -289,3 +289,21 @@ def dtensor_tp_split_batch(rank: int, world_size: int) -> str:
     except PeerUnsupported as error:
         return str(error)
     return "accepted"
+
+
+def ddp_check_on_a_loss_model(rank: int, world_size: int) -> dict:
+    """peer:ddp on a model that returns only its loss (no per-row output to compare)."""
+    from commfx.bench.peers.ddp import check
+
+    model, inputs = load_model("gpt-moe-tiny", batch=4)
+
+    class ReturnsItsLoss(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids).pow(2).mean()
+
+    result = check(ReturnsItsLoss(model), inputs, ep_size=1, lr=1e-2)
+    return {"ok": result.ok, "line": result.line(), "loss_diff": result.loss_diff}

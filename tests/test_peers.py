@@ -24,6 +24,11 @@ def test_ddp_equals_the_single_process_model_and_a_rank_with_other_weights_fails
     assert all(not r["ok"] and "NOT equal" in r["line"] for r in differs), [r["line"] for r in differs]
 
 
+def test_a_model_that_returns_its_loss_is_compared_by_its_loss():
+    for result in launch("peer_workers:ddp_check_on_a_loss_model", 2, {}, timeout_s=120):
+        assert result["ok"] and result["loss_diff"] <= 1e-12, result["line"]
+
+
 def test_bench_times_peers_beside_a_plan(tmp_path, capsys):
     also = ["--also", "ds=peer:deepspeed_moe"] if deepspeed_version() else []
     out = tmp_path / "peers.json"

@@ -166,7 +166,8 @@ def score_forward(check: PeerCheck, outputs, loss: torch.Tensor, reference: Refe
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = [t for t in pytree.tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     theirs = [local_batch((t,), world, rank)[0] for t in reference.outputs]
-    check.output_diff = max((relative_diff(a, b) for a, b in zip(mine, theirs, strict=True)), default=float("nan"))
+    # A model that returns only its loss has no per-row output: the loss figure is the comparison.
+    check.output_diff = max((relative_diff(a, b) for a, b in zip(mine, theirs, strict=True)), default=0.0 if not mine else float("nan"))
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     check.loss_diff = relative_diff(mean_loss / world, reference.loss)
