@@ -77,4 +77,8 @@ timeout 1500 "$COMMFX" bench gpt-moe --proportions mixtral-8x7b --flops-per-rank
   --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs peer:deepspeed_moe \
   --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --steps 5 --warmup 1 --steps-per-round 2 --timeout 1400 \
   --json "$OUT/peers_lina_mixtral_proportions_2x1.json" | tee "$OUT/peers_lina_mixtral_proportions_2x1.txt"
+# RESULTS.md, EmbRace against DDP: the loss-returning words model (the LM head can be split)
+timeout 1500 "$COMMFX" bench benchmarks/embrace_models.py:gpt_moe_words_loss --passes lift,expert_parallel,split_embedding_comm \
+  --vs peer:ddp --also dense=lift,expert_parallel --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 5 --warmup 1 \
+  --timeout 1400 --json "$OUT/peers_embrace_gpt_moe_words_loss_100mbit_2x1.json" | tee "$OUT/peers_embrace_100mbit_2x1.txt"
 echo "results in $OUT"
