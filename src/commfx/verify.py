@@ -32,10 +32,11 @@ from .models import load_model
 from .models.hf import choose_experts_implementation, training_forward
 from .passes import plan_options
 from .compiler.pass_manager import no_op_passes, rewrite_census
+from .batches import batch_tensors, call, data_share, local_batch, pipeline_step, split_batch  # noqa: F401  (the doors' batch helpers, re-exported)
 from .plan import Plan
+from .tolerances import MIXED_PRECISION_FORMULA, mixed_precision_tolerance  # noqa: F401  (re-exported)
 
 DEFAULT_TOLERANCE = 1e-10
-MIXED_PRECISION_FORMULA = "((R + 1) x eps(bf16) + n x eps(fp32)) x max|reference|"
 # Summing n float32 terms in another order changes the result by at most ~n * eps relative
 # to the terms; tiny test batches have n <= 64 tokens per expert, and reductions in two halves
 # stay well inside 64 eps of the largest gradient entry.
@@ -125,25 +126,6 @@ def build_case_model(case: VerifyCase, dtype: torch.dtype | None = None):
     return model, inputs
 
 
-def split_batch(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    return torch.tensor_split(tensor, world_size, dim=0)[rank]
-
-
-def batch_tensors(inputs) -> list[torch.Tensor]:
-    """The tensors of a batch given as a tuple or as a dict of keyword tensors."""
-    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-
-
-def call(model, inputs):
-    """`model` on a batch: positionally for a tuple, by keyword for a dict."""
-    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-
-
-def pipeline_step(pipeline, inputs, **options):
-    """A pipeline module's `step` on a batch, passed as `call` passes it."""
-    return pipeline.step(**inputs, **options) if isinstance(inputs, dict) else pipeline.step(*inputs, **options)
-
-
 class NonFiniteError(ValueError):
     """A NaN or inf where training or verifying needs numbers: never a pass."""
 
@@ -166,20 +148,6 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| (NaN if either holds NaN); 0 for empty tensors (a rank without rows)."""
     diff = (a - b).abs()
     return diff.max().item() if diff.numel() else 0.0
-
-
-def data_share(plan: Plan, rank: int) -> tuple[int, int]:
-    """(parts, index): the batch is cut over data-parallel replicas; the stages of one
-    pipeline share their replica's part (with no pipeline, every rank is a replica)."""
-    topology = plan.topology
-    return topology.dp, topology.coordinates(rank)[1]
-
-
-def local_batch(inputs, world_size: int, rank: int):
-    """This rank's share of a global batch (a tuple of tensors or a dict of keyword tensors)."""
-    if isinstance(inputs, dict):
-        return {k: split_batch(t, world_size, rank) for k, t in inputs.items()}
-    return tuple(split_batch(t, world_size, rank) for t in inputs)
 
 
 def preflight(model: torch.nn.Module, plan: Plan, global_inputs) -> None:
@@ -378,25 +346,6 @@ def _capacity_reference(case, model, inputs, shards, scale, capacity, precision:
     grads = {n: p.grad for n, p in program.gm.named_parameters() if p.grad is not None}
     outputs, _ = pytree.tree_flatten(outputs)
     return [o.detach() for o in outputs], grads
-
-
-def mixed_precision_tolerance(reference: torch.Tensor, ranks: int, tokens: int, precision: str = "bf16") -> float:
-    """The tolerance of one tensor of a mixed-precision run against the same recipe in one process.
-
-    Both runs round the same per-token values the same way; what differs is how reductions
-    over tokens are split. The distributed run sums a reduction (a weight gradient over the
-    tokens) as R partial products, one per data-parallel rank, each rounded once to bf16, and
-    adds them in fp32; the reference rounds the whole sum once. Each rounding is within
-    eps(bf16)/2 of its value, so R + 1 roundings differ by at most (R + 1) x eps/2 of the
-    largest partial; the fp32 accumulation of a reduction of length n (the global tokens, the
-    longest reduction: a weight gradient's) adds at most n x eps(fp32). Relative to the
-    reference's largest entry, with a margin of 2 for partials larger than their sum:
-    ((R + 1) x eps(bf16) + n x eps(fp32)) x max|reference|."""
-    from .compiler.precision import precision_dtype
-
-    scale = reference.abs().max().item() if reference.numel() else 0.0
-    eps_low, eps_fp32 = torch.finfo(precision_dtype(precision)).eps, torch.finfo(torch.float32).eps
-    return ((ranks + 1) * eps_low + tokens * eps_fp32) * scale
 
 
 def low_precision_tolerances(case: VerifyCase, ref_grads: dict[str, torch.Tensor], tolerance: float) -> dict[str, tuple[float, str]]:

@@ -34,7 +34,7 @@ and qdiscs live in namespaces this module creates, and the address plan
 leave).  Host-visible are only the ``/run/netns/<name>`` handles of ``ip netns`` and
 ``/etc/netns/<node ns>/hosts`` files (see below).  Everything is removed on exit, on an
 exception and on SIGINT/SIGTERM/SIGHUP; :func:`cleanup_stale` removes leftovers of runs
-whose process died (SIGKILL); ``python -m commfx.bench.cluster --cleanup-stale`` too.
+whose process died (SIGKILL); ``python -m commfx.bench.netns --cleanup-stale`` too.
 
 When namespaces cannot be made (not root, no ``ip`` binary, kernel refuses) the cluster
 falls back to plain localhost (``emulated`` is False, ``reason`` says why), unless
@@ -497,22 +497,3 @@ class EmulatedCluster:
             old(signum, frame)  # e.g. default_int_handler -> KeyboardInterrupt
         elif old == signal.SIG_DFL or old is None:
             signal.raise_signal(signum)  # default action (terminate) now that we are clean
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """``python -m commfx.bench.cluster [--cleanup-stale]``: remove leftovers of dead runs."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cleanup-stale", action="store_true", help="remove namespaces of dead runs")
-    ap.add_argument("--list", action="store_true", help="list namespaces of commfx clusters")
-    args = ap.parse_args(argv)
-    if args.cleanup_stale:
-        print("removed:", " ".join(cleanup_stale()) or "nothing")
-    if args.list or not args.cleanup_stale:
-        print("\n".join(list_run_namespaces()) or "(none)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -138,3 +138,22 @@ def namespace_problem() -> str:
     if not shutil.which("ip") or not shutil.which("tc"):
         return "`ip`/`tc` not found (install iproute2: apt-get install -y iproute2)"
     return ""
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m commfx.bench.netns [--cleanup-stale]``: remove leftovers of dead runs."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="remove or list the network namespaces of commfx clusters")
+    ap.add_argument("--cleanup-stale", action="store_true", help="remove namespaces of dead runs")
+    ap.add_argument("--list", action="store_true", help="list namespaces of commfx clusters")
+    args = ap.parse_args(argv)
+    if args.cleanup_stale:
+        print("removed:", " ".join(cleanup_stale()) or "nothing")
+    if args.list or not args.cleanup_stale:
+        print("\n".join(list_run_namespaces()) or "(none)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

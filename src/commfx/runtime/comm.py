@@ -234,7 +234,7 @@ class CommScheduler:
         if self.local_only:
             return None
         tensor = tensor.contiguous()
-        issue = lambda: _WorkInThread(dist.isend(tensor, dst=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        issue = lambda: _work_in_thread(dist.isend(tensor, dst=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
         return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue, lane=lane))
 
     def start_recv(self, out: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
@@ -245,7 +245,7 @@ class CommScheduler:
         if self.local_only:
             out.zero_()
             return None
-        issue = lambda: _WorkInThread(dist.irecv(out, src=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        issue = lambda: _work_in_thread(dist.irecv(out, src=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
         return self.dispatcher.submit(Pending(kind, priority, group, tag, out.numel() * out.element_size(), issue, lane=lane))
 
     def all_gather_object(self, obj, group: str = "world") -> list:
@@ -305,30 +305,10 @@ class CommScheduler:
         self.wait(self.dispatcher.submit(Pending(kind, DEFAULT_CLASS, group, "", 0, issue)))
 
 
-class _WorkInThread:
-    """gloo's point-to-point works have no future: wait for one on a helper thread so the
-    dispatcher (which expects `get_future()`) never blocks on a peer."""
-
-    def __init__(self, work, timeout_s: float):
-        self._future = torch.futures.Future()
-
-        def wait():
-            try:
-                work.wait(timedelta(seconds=timeout_s))
-                self._future.set_result(None)
-            except BaseException as error:  # noqa: BLE001 - handed to the future
-                self._future.set_exception(error)
-
-        threading.Thread(target=wait, name="commfx-p2p", daemon=True).start()
-
-    def get_future(self):
-        return self._future
-
-
 class _Running:
     """A function run to completion on its own thread, with the future the dispatcher waits on."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, name: str = "commfx-hierarchical-a2a"):
         self._future = torch.futures.Future()
 
         def run():
@@ -338,10 +318,16 @@ class _Running:
             except BaseException as error:  # noqa: BLE001 - handed to the future
                 self._future.set_exception(error)
 
-        threading.Thread(target=run, name="commfx-hierarchical-a2a", daemon=True).start()
+        threading.Thread(target=run, name=name, daemon=True).start()
 
     def get_future(self):
         return self._future
+
+
+def _work_in_thread(work, timeout_s: float) -> _Running:
+    """gloo's point-to-point works have no future: wait for one on a helper thread so the
+    dispatcher (which expects `get_future()`) never blocks on a peer."""
+    return _Running(lambda: work.wait(timedelta(seconds=timeout_s)), name="commfx-p2p")
 
 
 # point-to-point tags of the hierarchical all-to-all's three exchanges (apart from other p2p on the group)

@@ -171,3 +171,16 @@ def score_forward(check: PeerCheck, outputs, loss: torch.Tensor, reference: Refe
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     check.loss_diff = relative_diff(mean_loss / world, reference.loss)
+
+
+def loss_and_backward(module: torch.nn.Module, called, inputs) -> torch.Tensor:
+    """commfx's training loss of `called` (the module, or its wrapper) on `inputs`, backward
+    run; returns the detached loss. An HF module builds no KV cache meanwhile."""
+    from ...models.hf import training_forward
+    from ...train import loss_fn
+    from ...verify import batch_tensors, call
+
+    with training_forward(module):
+        loss = loss_fn(call(called, inputs), batch_tensors(inputs))
+    loss.backward()
+    return loss.detach()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .common import CommRecord, PeerCheck, reference_step, relative_diff, score_forward, worst_over_ranks
+from .common import CommRecord, PeerCheck, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "ddp"
 TOLERANCE = 1e-10  # float64, the same sums in another order
@@ -39,14 +39,7 @@ class DDPPeer:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
 
     def forward_backward(self) -> torch.Tensor:
-        from ...models.hf import training_forward
-        from ...train import loss_fn
-        from ...verify import batch_tensors, call
-
-        with training_forward(self.module):
-            loss = loss_fn(call(self.ddp, self.inputs), batch_tensors(self.inputs))
-        loss.backward()
-        return loss.detach()
+        return loss_and_backward(self.module, self.ddp, self.inputs)
 
     def train_step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)

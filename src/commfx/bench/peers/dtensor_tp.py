@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import CommRecord, PeerCheck, PeerUnsupported, reference_step, relative_diff, score_forward, worst_over_ranks
+from .common import CommRecord, PeerCheck, PeerUnsupported, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "dtensor_tp"
 WHOLE_BATCH = True  # every rank runs the whole batch: the tensor-parallel group is the world
@@ -230,14 +230,7 @@ class DTensorTPPeer:
         return any(path.startswith(block_path + ".") for path in self.styles)
 
     def forward_backward(self) -> torch.Tensor:
-        from ...models.hf import training_forward
-        from ...train import loss_fn
-        from ...verify import batch_tensors, call
-
-        with training_forward(self.module):
-            loss = loss_fn(call(self.module, self.inputs), batch_tensors(self.inputs))
-        loss.backward()
-        return loss.detach()
+        return loss_and_backward(self.module, self.module, self.inputs)
 
     def train_step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
