@@ -147,3 +147,13 @@ def test_group_limited_routing_prunes(model_type):
     finally:
         router.topk_group = HF_FAMILIES[model_type].config["topk_group"]
     assert (grouped != ungrouped).any(-1).sum() > 0
+
+
+def test_model_args_set_fields_of_an_hf_config_and_an_unknown_field_is_named():
+    from commfx.models import load_model
+
+    model, _ = load_model("hf:llama", hidden_size=64, num_attention_heads=4)
+    assert model.config.hidden_size == 64 and model.model.embed_tokens.weight.shape[1] == 64
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # the head width follows hidden_size
+    with pytest.raises(ValueError, match="hf:llama's config has no hidden_sizes; --model-arg sets fields of LlamaConfig"):
+        load_model("hf:llama", hidden_sizes=64)

@@ -145,11 +145,12 @@ def _unknown(model_type: str) -> ValueError:
     )
 
 
-def hf_config(model_type: str):
-    """The tiny transformers config for ``model_type`` (attention/experts implementations unset)."""
+def hf_config(model_type: str, **overrides):
+    """The tiny transformers config for ``model_type`` (attention/experts implementations unset),
+    with `overrides` given to the config's constructor (so fields derived from them follow)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{**_TINY, **_family(model_type).config})
+    return AutoConfig.for_model(model_type, **{**_TINY, **_family(model_type).config, **overrides})
 
 
 def build_hf_moe(
@@ -159,9 +160,11 @@ def build_hf_moe(
     batch: int = 4,
     seq: int = 8,
     dtype: torch.dtype = torch.float32,
+    **config_overrides,
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """Build a tiny random HF MoE causal LM, exactly as transformers returns it, and a global
-    batch of token ids for it.
+    batch of token ids for it. `config_overrides` (`commfx ... --model-arg hidden_size=256`)
+    set fields of the tiny config; a field the config does not have is an error.
 
     Weights are drawn in float32 from ``seed`` (the global RNG state is left untouched) and then
     converted to ``dtype``, so the float64 model holds exactly the float32 model's weights.
@@ -173,7 +176,14 @@ def build_hf_moe(
     from transformers import AutoModelForCausalLM
 
     family = _family(model_type)
-    config = hf_config(model_type)
+    tiny = hf_config(model_type)
+    unknown = sorted(k for k in config_overrides if not hasattr(tiny, k))
+    if unknown:
+        raise ValueError(
+            f"hf:{model_type}'s config has no {', '.join(unknown)}; --model-arg sets fields of {type(tiny).__name__} "
+            f"(for example hidden_size, intermediate_size, num_attention_heads, num_hidden_layers, vocab_size)"
+        )
+    config = hf_config(model_type, **config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=family.attn_implementation, dtype=torch.float32)
