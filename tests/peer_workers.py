@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from commfx.models import load_model
+from resize_workers import DenseTiny
 
 
 @contextlib.contextmanager
@@ -203,20 +204,15 @@ class _TPLayer(torch.nn.Module):
         return h + self.mlp(self.ln2(h))
 
 
-class DenseHeads(torch.nn.Module):
-    """A dense GPT whose attention keeps its head count in an attribute (float64 tests)."""
+class DenseHeads(DenseTiny):
+    """A dense GPT whose attention keeps its head count in an attribute (float64 tests):
+    resize_workers' DenseTiny with other layers."""
 
     def __init__(self, vocab=32, hidden=32, heads=4, mlp=48, full_width=False):
-        super().__init__()
+        torch.nn.Module.__init__(self)
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.layers = torch.nn.ModuleList([_TPLayer(hidden, heads, mlp, full_width) for _ in range(2)])
         self.head = torch.nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
 
 
 def _tp_model(spec: str):
