@@ -1,0 +1,86 @@
+"""Functions the checkpoint tests run on every rank (imported by the worker processes)."""
+
+from __future__ import annotations
+
+import torch
+
+import commfx
+from commfx.api import distribute
+from commfx.checkpoint.gather import gather_full
+from commfx.models import load_model
+from commfx.plan import Plan
+from commfx.train import loss_fn
+from commfx.verify import data_share, local_batch
+
+
+def _module(model: str, passes: str, rank: int, world_size: int, ep: int = 0, seed: int = 5):
+    net = load_model(model, seed=seed, batch=4, dtype=torch.float64)[0]
+    inputs = load_model(model, seed=5, batch=4, dtype=torch.float64)[1]  # the same batch whatever the weights
+    plan = Plan.from_cli(passes, world_size=world_size, ep=ep)
+    local = local_batch(inputs, *data_share(plan, rank))
+    dm = distribute(net, plan, local)
+    optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
+    dm.attach_optimizer(optimizer)
+    return dm, optimizer, local
+
+
+def _train(dm, optimizer, local, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(dm(*local), local)
+        loss.backward()
+        optimizer.step()
+        losses.append(sum(dm.scheduler.all_gather_object(loss.item())) / dm.plan.topology.world_size)
+    return losses
+
+
+def _placements(dm) -> dict:
+    return {op: layer.slot_of.tolist() for op, layer in dm.placements.layers.items()}
+
+
+def save_and_resume(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, save_at: int) -> dict:
+    """Train `save_at` steps, save, train on; then a freshly distributed module loads the
+    checkpoint and trains the same remaining steps. Both runs' losses, placements and full
+    state (parameters and optimizer moments, gathered) are returned."""
+    dm, optimizer, local = _module(model, passes, rank, world_size)
+    losses = _train(dm, optimizer, local, save_at)
+    path = commfx.save(dm, optimizer, root, step=save_at)
+    at_save = gather_full(dm, optimizer)
+    losses += _train(dm, optimizer, local, steps - save_at)
+    first = {"at_save": at_save, "losses": losses, "placements": _placements(dm), "state": gather_full(dm, optimizer), "path": str(path)}
+    dm2, optimizer2, local2 = _module(model, passes, rank, world_size, seed=99)  # other initial weights: all must come from the file
+    info = commfx.load(dm2, optimizer2, root)
+    loaded = gather_full(dm2, optimizer2)
+    resumed = _train(dm2, optimizer2, local2, steps - save_at)
+    second = {"losses": resumed, "placements": _placements(dm2), "state": gather_full(dm2, optimizer2), "step": info["step"], "loaded": loaded}
+    return {"first": first, "second": second, "moved": [[d.moved for d in ds] for ds in dm.placement_log]}
+
+
+def train_and_save(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, save_at: int, ep: int = 0) -> dict:
+    """Train, saving after `save_at` steps; losses of every step and the final full state."""
+    dm, optimizer, local = _module(model, passes, rank, world_size, ep=ep)
+    losses = _train(dm, optimizer, local, save_at)
+    commfx.save(dm, optimizer, root, step=save_at)
+    at_save = gather_full(dm, optimizer)
+    losses += _train(dm, optimizer, local, steps - save_at)
+    return {"losses": losses, "at_save": at_save, "state": gather_full(dm, optimizer), "placements": _placements(dm)}
+
+
+def load_and_train(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, ep: int = 0) -> dict:
+    """Load the checkpoint at this layout and train `steps` more."""
+    dm, optimizer, local = _module(model, passes, rank, world_size, ep=ep, seed=99)
+    info = commfx.load(dm, optimizer, root)
+    loaded = gather_full(dm, optimizer)
+    losses = _train(dm, optimizer, local, steps)
+    return {"losses": losses, "loaded": loaded, "state": gather_full(dm, optimizer), "notes": info["notes"], "placements": _placements(dm)}
+
+
+def load_refused(rank: int, world_size: int, root: str, model: str, passes: str) -> str:
+    """The error `commfx.load` raises for this checkpoint here ('' if it loads)."""
+    dm, optimizer, _ = _module(model, passes, rank, world_size)
+    try:
+        commfx.load(dm, optimizer, root)
+    except commfx.CheckpointError as error:
+        return str(error)
+    return ""
