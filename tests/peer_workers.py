@@ -303,3 +303,63 @@ def ddp_check_on_a_loss_model(rank: int, world_size: int) -> dict:
 
     result = check(ReturnsItsLoss(model), inputs, ep_size=1, lr=1e-2)
     return {"ok": result.ok, "line": result.line(), "loss_diff": result.loss_diff}
+
+
+# ------------------------------------------------------------------------------ peer:fsdp2, peer:pipelining
+
+
+TWO_LAYERS = {"num_layers": 2}  # a stage each on 2 ranks
+
+
+def sharded_or_staged_check(rank: int, world_size: int, peer: str, model: str, options: dict | None = None,
+                            perturb_rank: int | None = None) -> dict:
+    """peer `peer`'s check on `model` (4 rows); with `perturb_rank`, that rank's copy of the model
+    differs from the others' (its reference then is not the function the peer computes)."""
+    from commfx.bench.peers import peer_module
+
+    module, inputs = load_model(model, batch=4, **TWO_LAYERS)
+    if rank == perturb_rank:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.05)
+    result = peer_module(peer).check(module, inputs, ep_size=1, lr=1e-2, **(options or {}))
+    return {"ok": result.ok, "line": result.line(), "grad_diffs": result.grad_diffs, "output_diff": result.output_diff,
+            "loss_diff": result.loss_diff}
+
+
+def peer_steps(rank: int, world_size: int, peer: str, model: str, steps: int, options: dict | None = None) -> dict:
+    """`steps` float64 training steps of the peer's Runner on its share of the batch, then a
+    compute-only step with the torch collectives counted, and the records' replay."""
+    from commfx.bench.peers import peer_module
+    from commfx.bench.peers.common import replay
+    from commfx.verify import local_batch
+
+    module = peer_module(peer)
+    model_, inputs = load_model(model, batch=8, **TWO_LAYERS)
+    model_ = model_.double()
+    share = inputs if getattr(module, "WHOLE_BATCH", False) else local_batch(inputs, world_size, rank)
+    runner = module.Runner(model_, share, ep_size=1, lr=1e-2, **(options or {}))
+    losses = [runner.train_step().item() for _ in range(steps)]
+    kinds = sorted({r.kind for r in runner.records})
+    ran: list = []
+    with _count_torch_collectives(ran):
+        runner.compute_only()
+    replay(runner.records)
+    return {"losses": losses, "kinds": kinds, "bytes": runner.step_bytes(), "compute_only_ran_collectives": len(ran)}
+
+
+def reference_losses(model: str, steps: int) -> list[float]:
+    """The single-process model's mean losses over `steps` AdamW steps on the whole batch (float64)."""
+    from commfx.train import loss_fn
+
+    model_, inputs = load_model(model, batch=8, **TWO_LAYERS)
+    model_ = model_.double()
+    optimizer = torch.optim.AdamW(model_.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model_(*inputs), inputs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

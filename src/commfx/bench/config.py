@@ -31,7 +31,14 @@ class PlanSpec:
     label: str
     passes: str
     plan: Plan  # for a peer: the world and expert-parallel size it runs with
-    peer: str | None = None  # `peer:NAME`: the system a user would pick instead (bench/peers/)
+    peer: str | None = None  # `peer:NAME[:options]`: the system a user would pick instead (bench/peers/)
+
+    @property
+    def peer_parts(self) -> tuple[str, dict[str, str]]:
+        """(NAME, options) of a peer."""
+        from .peers import parse_peer
+
+        return parse_peer(self.peer)
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,9 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
 
     def spec(label: str, text: str) -> PlanSpec:
         peer = text.removeprefix(PEER_PREFIX) if text.startswith(PEER_PREFIX) else None
-        passes = "lift" if peer else text  # a peer's plan carries only its world and ep size
-        plan = Plan.from_cli(passes, world_size=world, ep=ep, pp=pp, tp=tp, ranks_per_node=ranks_per_node, **figures)
+        # A peer's plan carries only its world and ep size: the peer lays out pp and tp itself.
+        passes, sizes = ("lift", {"pp": 1, "tp": 1}) if peer else (text, {"pp": pp, "tp": tp})
+        plan = Plan.from_cli(passes, world_size=world, ep=ep, ranks_per_node=ranks_per_node, **sizes, **figures)
         if grad_bucket_bytes:
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
         if collective_timeout_s:
@@ -136,9 +144,10 @@ def _peer_preflight(spec: PlanSpec, model, inputs) -> None:
     from .peers import peer_module
 
     try:
-        module = peer_module(spec.peer)
+        name, options = spec.peer_parts
+        module = peer_module(name)
         module.preflight(model, ep_size=spec.plan.topology.expert_parallel_size, world_size=spec.plan.topology.world_size,
-                         inputs=inputs)
+                         inputs=inputs, **options)
     except ImportError as missing:
         raise ValueError(f"{spec.passes}: {missing.name or missing} is not installed (pip install 'commfx[peers]')") from None
     except ValueError as refused:

@@ -244,12 +244,13 @@ class _PeerRunner(_Runner):
         from ..verify import data_share, local_batch
         from .peers import peer_module
 
-        module = peer_module(spec.peer)
+        name, options = spec.peer_parts
+        module = peer_module(name)
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
         ep = spec.plan.topology.expert_parallel_size
         # The check runs a float64 single-process reference of the whole batch it is given: a few
         # rows per rank prove the function without the bench batch's memory.
-        check = module.check(model, _first_rows(inputs, CHECK_ROWS_PER_RANK * world_size), ep_size=ep, lr=config.lr)
+        check = module.check(model, _first_rows(inputs, CHECK_ROWS_PER_RANK * world_size), ep_size=ep, lr=config.lr, **options)
         if not check.ok:
             raise RuntimeError(f"{spec.passes} is not timed: it does not compute the model's function: {check.line()}")
         self.scheduler = None  # no commfx scheduler: a straggler is slowed by its cgroup only (see config)
@@ -257,7 +258,7 @@ class _PeerRunner(_Runner):
         self.samples["peer_bytes"] = []
         # A tensor-parallel peer computes on the whole batch on every rank; the others on a data-parallel share.
         shares = (1, 0) if getattr(module, "WHOLE_BATCH", False) else data_share(spec.plan, rank)
-        self.peer = module.Runner(model, local_batch(inputs, *shares), ep_size=ep, lr=config.lr)
+        self.peer = module.Runner(model, local_batch(inputs, *shares), ep_size=ep, lr=config.lr, **options)
 
     def barrier(self) -> None:
         import torch.distributed as dist

@@ -12,31 +12,54 @@ import torch
 @dataclass
 class CommRecord:
     """One collective a peer issued in a step: kind, group size, payload bytes (the tensor handed
-    in) and the group (None: the world), enough to replay it with a buffer of the same size."""
+    in) and the group (None: the world), enough to replay it with a buffer of the same size; a
+    point-to-point `send` or `recv` names its `peer` rank."""
 
     kind: str
     group_size: int
     nbytes: int
     group: Any = None
+    peer: int = -1
 
 
 def replay(records: list[CommRecord]) -> None:
     """A step's collectives again, alone, on buffers of their sizes (the peer's comm-only phase);
-    a group of one rank sends nothing and is skipped."""
+    a group of one rank sends nothing and is skipped. Sends and receives are all posted at once
+    and then waited for (each pair of ranks matches them in order)."""
     import torch.distributed as dist
 
+    p2p = [record for record in records if record.kind in ("send", "recv")]
+    if p2p:
+        operations = [dist.P2POp(dist.isend if r.kind == "send" else dist.irecv, torch.zeros(r.nbytes, dtype=torch.uint8), r.peer)
+                      for r in p2p]
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()
     for record in records:
-        if record.group_size <= 1:
+        if record.group_size <= 1 or record.kind in ("send", "recv"):
             continue
         buffer = torch.zeros(record.nbytes, dtype=torch.uint8)
         if record.kind == "all_to_all":
             dist.all_to_all_single(torch.empty_like(buffer), buffer, group=record.group)
+        elif record.kind == "all_gather":  # nbytes: the shard handed in
+            dist.all_gather_into_tensor(buffer.new_empty(record.nbytes * record.group_size), buffer, group=record.group)
+        elif record.kind == "reduce_scatter":  # nbytes: the whole tensor handed in
+            buffer = buffer[: record.nbytes - record.nbytes % record.group_size]
+            dist.reduce_scatter_tensor(buffer.new_empty(buffer.numel() // record.group_size), buffer, group=record.group)
         else:
             dist.all_reduce(buffer, group=record.group)
 
 
 class PeerUnsupported(ValueError):
     """The peer cannot express this model or option; the message names what and why."""
+
+
+def layer_list(model: torch.nn.Module) -> tuple[str, int]:
+    """(path, length) of the model's longest ModuleList: the repeated layers a pipeline cuts and
+    FSDP wraps one by one."""
+    lists = [(name, len(m)) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        raise PeerUnsupported("the model has no list of layers (an nn.ModuleList) to cut or wrap")
+    return max(lists, key=lambda item: item[1])
 
 
 @dataclass
