@@ -61,6 +61,11 @@ class CommfxBackend:
                 "defer_grad_sync needs commfx.distribute (whose module knows the optimizer and steps deferred parameters "
                 "late); under torch.compile's commfx backend gradients are reduced in backward: drop it from the plan"
             )
+        if "shard_states" in plan.pass_names():
+            raise PlanError(
+                "shard_states needs commfx.distribute and commfx.shard_optimizer (its optimizer steps this rank's shard); "
+                "under torch.compile's commfx backend optimizer state stays replicated: drop it from the plan"
+            )
         try:
             check_plan(self.plan)
         except PlanError as error:

@@ -45,6 +45,7 @@ class RuntimeNeeds:
     grad_sync: str = "backward"  # backward | next_forward (deferred into the next step)
     expert_placement: dict[str, dict] = field(default_factory=dict)  # packed block path -> placement spec
     tp_resize: dict | None = None  # the SEMI controller's linears, options and units
+    shard_states: dict = field(default_factory=dict)  # shard_states: {"stage": 1|2}; {}: states replicated
 
 
 @dataclass

@@ -218,6 +218,23 @@ class CommScheduler:
         issue = lambda: dist.all_reduce(tensor, group=handle.pg, async_op=True)  # noqa: E731
         return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
 
+    def start_sharded(self, op: str, out: torch.Tensor, x: torch.Tensor, group: str, kind: str, priority: str = DEFAULT_CLASS, tag: str = "") -> Pending | None:
+        """Queue a `reduce_scatter` (out = this rank's shard of the sum of every rank's `x`)
+        or an `all_gather` (out = every rank's `x`, in rank order) over `group`; `out` is
+        valid after `wait`. A ring sends (P-1)/P of the full buffer to the next rank."""
+        handle = self.group(group, priority)
+        full = x if op == "reduce_scatter" else out
+        if handle.size == 1 or self.local_only:
+            out.copy_(x)
+            return None
+        payload = full.numel() * full.element_size()
+        self._count(kind, handle, {handle.ranks[(handle.rank + 1) % handle.size]: (handle.size - 1) * payload // handle.size})
+        if self.records is not None:
+            self.records.append(CollectiveRecord(kind, group, (x.numel(),), (out.numel(),), (), x.dtype, priority))
+        collective = dist.reduce_scatter_tensor if op == "reduce_scatter" else dist.all_gather_into_tensor
+        issue = lambda: _work_in_thread(collective(out, x, group=handle.pg, async_op=True), self.timeout_s)  # noqa: E731 - gloo's works have no future
+        return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
+
     def all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS) -> torch.Tensor:
         """Sum `tensor` in place over `group`."""
         self.wait(self.start_all_reduce(tensor, group, kind, priority))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..buckets import Entry, make_buckets
 from .comm import CommScheduler
 from .priority import Pending
 
@@ -192,19 +193,8 @@ class GradientSync:
 
 
 def _make_buckets(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
-    buckets: list[Bucket] = []
-    sizes: list[int] = []
-    for index in reversed(range(len(slots))):
-        slot = slots[index]
-        if not slot.param.requires_grad or slot.group is None:
-            continue
-        nbytes = slot.param.numel() * slot.param.element_size()
-        last = buckets[-1] if buckets else None
-        same_kind = last is not None and last.group == slot.group and slots[last.slots[0]].param.dtype == slot.param.dtype
-        if same_kind and sizes[-1] + nbytes <= bucket_bytes:
-            last.slots.append(index)
-            sizes[-1] += nbytes
-        else:
-            buckets.append(Bucket(len(buckets), slot.group, [index]))
-            sizes.append(nbytes)
-    return buckets
+    entries = [
+        Entry(slot.group if slot.param.requires_grad else None, slot.param.dtype, slot.param.numel(), slot.param.element_size())
+        for slot in slots
+    ]
+    return [Bucket(i, group, indices) for i, (group, indices) in enumerate(make_buckets(entries, bucket_bytes))]

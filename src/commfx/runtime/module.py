@@ -34,6 +34,7 @@ from .deferred_step import DeferredStep
 from .executor import BackwardExecutor, ForwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
 from .semi import make_controller
+from .state_shards import ShardedGradSync
 from .trace import Timeline
 
 
@@ -60,6 +61,7 @@ Recapture = Callable[[tuple, dict], CompiledModel]
 _STATE_OF_ONE_PROGRAM = {
     "expert_placement": ("pack_experts", "its expert placement and routing statistics are runtime state keyed by the first graph's op ids"),
     "tp_resize": ("resize_tp", "its shard widths are runtime state keyed by the first graph's op ids"),
+    "shard_states": ("shard_states", "its optimizer's shards are cut from the first graph's gradient buckets"),
 }
 
 
@@ -272,6 +274,11 @@ class DistributedModule(torch.nn.Module):
         """Re-place packed experts every `pack_experts:replace_every` steps of `optimizer`
         (after its step, on every rank alike), moving its state with the weights; under
         defer_grad_sync, let `optimizer` step parameters whose gradients arrive late."""
+        if isinstance(self.grad_sync, ShardedGradSync) and getattr(optimizer, "sync", None) is not self.grad_sync:
+            raise TypeError(
+                "this module's plan has shard_states, whose optimizer steps only this rank's shard; make it with "
+                "commfx.shard_optimizer(dm, torch.optim.AdamW, lr=...) instead of over dm.parameters()"
+            )
         if self.deferred is not None:
             self.deferred.attach(optimizer)
         if self.straggler is not None:  # resize_tp: migrated units move their optimizer state with them
@@ -380,9 +387,11 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
         for name, param in named_params
     ]
     scales = {slot.group: plan.grad_scale_for(slot.group) for slot in slots}
-    return GradientSync(
+    sharded = {"stage": needs.shard_states["stage"]} if needs.shard_states else {}
+    return (ShardedGradSync if sharded else GradientSync)(
         slots,
         scheduler,
+        **sharded,
         scale=plan.grad_scale,
         scales=scales,
         bucket_bytes=plan.grad_bucket_bytes,

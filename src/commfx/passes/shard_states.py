@@ -1,0 +1,106 @@
+"""shard_states: ZeRO. Each data-parallel rank keeps only its shard of the optimizer state
+(stage 1) and of the reduced gradients (stage 2) instead of a replica.
+
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020.) The gradient buckets (`commfx.buckets`) become flat buffers cut into
+one contiguous shard per rank of their group. Stage 1 all-reduces them as before and each
+rank steps only its shard; stage 2 reduce-scatters them instead, so a rank only ever holds
+its shard of the gradient. After the step the updated shards are all-gathered into every
+rank's parameters. Replicated parameters shard over `dp`; expert shards over their own
+expert-data-parallel group `edp` (a group of one when ep == world: those stay whole, as
+they are not replicated). Lossless: the same parameters after every step (float64 tests),
+since torch's per-parameter optimizers (SGD, Adam, AdamW) update each element from its own
+gradient and state.
+
+The graph does not change: the pass marks the program, and the runtime
+(`runtime/state_shards.py`, `runtime/sharded_optimizer.py`) does the rest. The optimizer
+must be the sharded one: `commfx.shard_optimizer(dm, torch.optim.AdamW, lr=...)` (what
+`commfx run` does). Stage 3 (parameters sharded too, gathered around each use) is not
+built yet and is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..buckets import Entry, make_buckets, shard_size
+from ..compiler.program import Program
+from ..plan import Plan, PlanError
+from .base import RuntimeSetting, register
+
+PASS = "shard_states"
+STAGES = (1, 2)
+
+# Passes whose work the sharded step does not handle yet -> why: refused by name, in either order
+# (check_plan), since each needs its own sharding rather than another place in the list.
+REFUSED_PASSES = {
+    "pipeline_split": "each stage would need its own buckets and dp group; sharding per stage is not built yet",
+    "tensor_parallel": "its sharded linears are not bucketed over dp alone yet",
+    "resize_tp": "its migrations move optimizer state, which is sharded here",
+    "defer_grad_sync": "a deferred gradient's late step would have to reduce-scatter and all-gather on its own",
+    "pack_experts": "re-placing experts moves their optimizer state, which is sharded here",
+}
+
+
+@register(PASS, setting="shard_states", ensures="states sharded")
+class ShardStates(RuntimeSetting):
+    """ZeRO stage 1/2: optimizer state (and gradients) sharded over the data-parallel ranks.
+
+    (Rajbhandari et al., ZeRO, SC 2020.)
+    """
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        stage: int = 1
+
+    @classmethod
+    def check_plan(cls, plan: Plan, options: Options, model) -> None:
+        if options.stage == 3:
+            raise PlanError(
+                "shard_states:stage=3 (parameters sharded and all-gathered around each use) is not built yet; "
+                "use stage=1 (optimizer state sharded) or stage=2 (and gradients)"
+            )
+        if options.stage not in STAGES:
+            raise PlanError(f"shard_states:stage must be 1 or 2 (ZeRO stages), got {options.stage}")
+        for name in plan.pass_names():
+            if name in REFUSED_PASSES:
+                raise PlanError(f"shard_states does not work with {name} yet: {REFUSED_PASSES[name]}; drop one of them")
+        if plan.topology.pp > 1 or plan.topology.tp > 1:
+            raise PlanError("shard_states needs pp = tp = 1 for now (it shards over the whole data-parallel world)")
+
+    @classmethod
+    def value(cls, options: Options) -> dict:
+        return {"stage": options.stage}
+
+    def run(self, program: Program, options: Options, plan: Plan) -> bool:
+        super().run(program, options, plan)
+        program.notes.extend(layout_notes(program, options.stage, plan))
+        return False
+
+
+def layout_notes(program: Program, stage: int, plan: Plan) -> list[str]:
+    """What each rank holds, bucket by bucket, as `commfx dump` prints it."""
+    what = "optimizer state" if stage == 1 else "optimizer state and reduced gradients"
+    sizes = {name: len(ranks[0]) for name, ranks in plan.topology.process_groups().items()}
+    shards, in_graph = program.runtime.shards, set(program.runtime.reduced_in_graph)
+    names, entries = [], []
+    for name, param in program.gm.named_parameters(remove_duplicate=False):
+        spec = shards.get(name)
+        group = None if name in in_graph or not param.requires_grad else (spec["replicated_over"] if spec else "dp")
+        numel = param.numel() // (spec["parts"] if spec else 1)  # expert shards: this rank's part
+        names.append(name)
+        entries.append(Entry(group, param.dtype, numel, param.element_size()))
+    buckets = make_buckets(entries, plan.grad_bucket_bytes)
+    reduce = "all-reduced, each rank steps its shard" if stage == 1 else "reduce-scattered into each rank's shard"
+    notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {plan.grad_bucket_bytes:,} bytes {reduce}, "
+             "then the updated shards all-gathered into the parameters"]
+    for index, (group, members) in enumerate(buckets):
+        numel = sum(entries[i].numel for i in members)
+        parts = sizes.get(group, 1)
+        held = "whole (a group of one)" if parts == 1 else f"{shard_size(numel, parts):,} per rank (1/{parts})"
+        listed = ", ".join(names[i] for i in members[:3]) + (f", +{len(members) - 3} more" if len(members) > 3 else "")
+        notes.append(f"shard_states: bucket {index} over {group} ({parts} rank{'s' if parts != 1 else ''}): {numel:,} elements, {held}: {listed}")
+    unbucketed = [n for n, e in zip(names, entries) if e.group is None]
+    if unbucketed:
+        notes.append(f"shard_states: not sharded (no gradient here, or reduced in the graph): {', '.join(unbucketed)}")
+    return notes

@@ -1,0 +1,79 @@
+"""What every rank runs in the shard_states tests."""
+
+import torch
+
+from commfx.api import distribute
+from commfx.models import load_model
+from commfx.plan import Plan
+from commfx.runtime.memory import held_bytes
+from commfx.runtime.sharded_optimizer import shard_optimizer
+from commfx.train import loss_fn
+from commfx.verify import split_batch
+
+STEPS = 3
+
+
+def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7, bucket_bytes: int = 0, with_misuse: bool = False) -> dict:
+    """Per plan ("passes" or "passes|ep=N"): the losses of STEPS AdamW steps (weight decay,
+    an LR scheduler halving the rate each step), the parameters after them, the held bytes
+    after the last step, how many elements this rank's optimizer steps, and the parameters
+    after one more step of a fresh optimizer that loaded the first one's state_dict."""
+    _, (ids,) = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
+    local = (split_batch(ids, world_size, rank),)
+    results = {}
+    for passes in plans:
+        model, _ = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
+        spec, _, ep = passes.partition("|ep=")  # "passes|ep=1": experts replicated over edp
+        plan = Plan.from_cli(spec, world_size=world_size, ep=int(ep or 0))
+        if bucket_bytes:
+            import dataclasses
+
+            plan = dataclasses.replace(plan, grad_bucket_bytes=bucket_bytes)
+        dm = distribute(model, plan, local)
+        optimizer = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        dm.attach_optimizer(optimizer)
+        losses = []
+        for _ in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(dm(*local), local)
+            loss.backward()
+            losses.append(loss.detach())
+            optimizer.step()
+            schedule.step()
+        memory = held_bytes(dm, optimizer)
+        saved = optimizer.state_dict()
+        params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+        resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+        resumed.load_state_dict(saved)
+        resumed.zero_grad(set_to_none=True)
+        loss_fn(dm(*local), local).backward()
+        resumed.step()
+        results[passes] = {
+            "losses": torch.stack(losses),
+            "params": params,
+            "resumed": {n: p.detach().clone() for n, p in dm.module.named_parameters()},
+            "memory": memory,
+            "stepped": sum(v.numel() for g in getattr(optimizer, "optimizer", optimizer).param_groups for v in g["params"]),
+        }
+    if with_misuse:
+        results["misuse"] = misuse(rank, world_size)
+    return results
+
+
+def misuse(rank: int, world_size: int) -> dict:
+    """What a stage-2 module says to a plain optimizer, and to a backward without its optimizer."""
+    _, (ids,) = load_model("gpt-moe-tiny", dtype=torch.float64, batch=4, seq=8)
+    local = (split_batch(ids, world_size, rank),)
+    model, _ = load_model("gpt-moe-tiny", dtype=torch.float64, batch=4, seq=8)
+    dm = distribute(model, Plan.from_cli("lift,expert_parallel,shard_states:stage=2", world_size=world_size), local)
+    said = {}
+    try:
+        dm.attach_optimizer(torch.optim.AdamW(dm.parameters()))
+    except TypeError as error:
+        said["attach"] = str(error)
+    try:
+        loss_fn(dm(*local), local).backward()
+    except RuntimeError as error:
+        said["backward"] = str(error)
+    return said

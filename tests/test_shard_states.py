@@ -1,0 +1,96 @@
+"""shard_states (ZeRO stages 1 and 2): lossless against the replicated plan (losses and
+parameters after 3 AdamW steps under an LR scheduler, and one more step after the sharded
+state_dict is reloaded, float64, world 2), dense data parallel and with expert_parallel
+(experts whole with ep == world, sharded over edp with ep=1), under partition_a2a's
+priority lanes; each rank steps and holds less; stage 2 without its sharded optimizer; the
+plan errors; what `commfx dump` prints."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from commfx.compiler.pass_manager import check_plan
+from commfx.models import load_model
+from commfx.plan import Plan, PlanError
+from commfx.runtime.launcher import launch
+
+EP = "lift,expert_parallel"
+LINA = "lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=1024"
+# (replicated plan, sharded plan); "|ep=1": experts replicated over both ranks (edp)
+PAIRS = [
+    ("lift", "lift,shard_states:stage=1"),
+    ("lift", "lift,shard_states:stage=2"),
+    (EP, f"{EP},shard_states:stage=1"),
+    (EP, f"{EP},shard_states:stage=2"),
+    (f"{EP}|ep=1", f"{EP},shard_states:stage=2|ep=1"),
+    (EP, f"{LINA},shard_states:stage=2"),
+]
+
+
+@pytest.mark.distributed
+def test_sharded_steps_equal_replicated_steps_and_hold_less():
+    plans = list(dict.fromkeys(p for pair in PAIRS for p in pair))
+    # 4 KiB buckets: several per group, and parameters cut across the ranks' shards
+    results = launch("shard_workers:train_each_plan", 2, {"plans": plans, "bucket_bytes": 4096, "with_misuse": True}, timeout_s=300, collective_timeout_s=60)
+    for rank, result in enumerate(results):
+        for plain, sharded in PAIRS:
+            want, got = result[plain], result[sharded]
+            torch.testing.assert_close(got["losses"], want["losses"], rtol=0, atol=1e-12)
+            for name, value in want["params"].items():
+                torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-12, msg=f"rank {rank} {sharded} {name}")
+                torch.testing.assert_close(got["resumed"][name], want["resumed"][name], rtol=0, atol=1e-12, msg=f"reloaded {sharded} {name}")
+            assert got["stepped"] < want["stepped"], (sharded, got["stepped"], want["stepped"])
+            assert got["memory"]["optimizer_state"] < want["memory"]["optimizer_state"]
+            assert got["memory"]["parameters"] == want["memory"]["parameters"]
+        dense, stage1, stage2 = (result[p]["memory"] for p in ("lift", "lift,shard_states:stage=1", "lift,shard_states:stage=2"))
+        assert stage1["gradients"] == dense["gradients"]
+        assert stage2["gradients"] == dense["gradients"] // 2  # every parameter replicated over 2 ranks: half each
+        # Adam's two moments: half of each, plus a step counter per parameter part
+        assert stage1["optimizer_state"] < dense["optimizer_state"] // 2 + 8 * 2 * len(result["lift"]["params"])
+        # stage 2 with a plain optimizer, and a backward before its sharded optimizer exists
+        said = result["misuse"]
+        assert "commfx.shard_optimizer(dm, torch.optim.AdamW" in said["attach"]
+        assert "make that optimizer before the first backward" in said["backward"]
+
+
+@pytest.mark.parametrize(
+    "passes, topology, message",
+    [
+        ("lift,shard_states:stage=3", {}, "stage=3 .* is not built yet"),
+        ("lift,shard_states:stage=0", {}, "stage must be 1 or 2"),
+        ("lift,pipeline_split,shard_states", {"pp": 2}, "shard_states does not work with pipeline_split"),
+        ("lift,shard_states,pipeline_split", {"pp": 2}, "shard_states does not work with pipeline_split"),
+        ("lift,tensor_parallel,shard_states", {"tp": 2}, "does not work with tensor_parallel"),
+        ("lift,expert_parallel,shard_states,defer_grad_sync", {}, "shard_states does not work with defer_grad_sync"),
+        ("lift,expert_parallel,pack_experts,shard_states:stage=2", {}, "does not work with pack_experts"),
+    ],
+)
+def test_shard_states_plan_errors(passes, topology, message):
+    model, _ = load_model("gpt-moe")
+    with pytest.raises(PlanError, match=message):
+        check_plan(Plan.from_cli(passes, world_size=2, **topology), model)
+
+
+def test_shard_states_under_torch_compile_is_a_plan_error():
+    from commfx.backend import backend
+
+    with pytest.raises(PlanError, match="shard_states needs commfx.distribute"):
+        backend(Plan.from_cli("lift,shard_states", world_size=1))
+
+
+def test_dump_shows_the_buckets_and_what_each_rank_holds():
+    from commfx.compiler.pipeline import compile_program
+
+    model, inputs = load_model("gpt-moe-tiny")
+    program = compile_program(model, Plan.from_cli("lift,expert_parallel,shard_states:stage=2", world_size=2), inputs)
+    notes = [n for n in program.notes if n.startswith("shard_states")]
+    assert "reduce-scattered into each rank's shard" in notes[0]
+    buckets = [n for n in notes if ": bucket " in n]
+    assert any(" over dp (2 ranks)" in n and "per rank (1/2)" in n for n in buckets)
+    assert any(" over edp (1 rank)" in n and "whole (a group of one)" in n for n in buckets)
+    named = " ".join(buckets)
+    assert "lm_head.weight" in named and "experts.down_proj" in named
