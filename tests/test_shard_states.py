@@ -27,7 +27,7 @@ PAIRS = [
     (EP, f"{EP},shard_states:stage=1"),
     (EP, f"{EP},shard_states:stage=2"),
     (f"{EP}|ep=1", f"{EP},shard_states:stage=2|ep=1"),
-    (EP, f"{LINA},shard_states:stage=2"),
+    (EP, f"{LINA},shard_states:stage=2;bucket_bytes=2048"),
 ]
 
 
@@ -86,11 +86,18 @@ def test_dump_shows_the_buckets_and_what_each_rank_holds():
     from commfx.compiler.pipeline import compile_program
 
     model, inputs = load_model("gpt-moe-tiny")
-    program = compile_program(model, Plan.from_cli("lift,expert_parallel,shard_states:stage=2", world_size=2), inputs)
+    program = compile_program(model, Plan.from_cli("lift,expert_parallel,shard_states:stage=2;bucket_bytes=8192", world_size=2), inputs)
     notes = [n for n in program.notes if n.startswith("shard_states")]
-    assert "reduce-scattered into each rank's shard" in notes[0]
+    assert "buckets of <= 8,192 bytes reduce-scattered into each rank's shard" in notes[0]
     buckets = [n for n in notes if ": bucket " in n]
     assert any(" over dp (2 ranks)" in n and "per rank (1/2)" in n for n in buckets)
     assert any(" over edp (1 rank)" in n and "whole (a group of one)" in n for n in buckets)
     named = " ".join(buckets)
     assert "lm_head.weight" in named and "experts.down_proj" in named
+
+
+def test_verify_refuses_stage_2_and_says_to_verify_stage_1():
+    from commfx.verify import VerifyCase, verify
+
+    with pytest.raises(PlanError, match="verify with shard_states:stage=1"):
+        verify([VerifyCase("gpt-moe-tiny", Plan.from_cli("lift,shard_states:stage=2", world_size=2))], 2)

@@ -33,7 +33,7 @@ from .models.hf import choose_experts_implementation, training_forward
 from .passes import plan_options
 from .compiler.pass_manager import no_op_passes, rewrite_census
 from .batches import batch_tensors, call, data_share, local_batch, pipeline_step, split_batch  # noqa: F401  (the doors' batch helpers, re-exported)
-from .plan import Plan
+from .plan import Plan, PlanError
 from .tolerances import MIXED_PRECISION_FORMULA, mixed_precision_tolerance  # noqa: F401  (re-exported)
 
 DEFAULT_TOLERANCE = 1e-10
@@ -477,6 +477,11 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
     for case in cases:
         if case.plan.topology.world_size != world_size:
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
+        if "shard_states" in case.plan.pass_names() and plan_options(case.plan, "shard_states").stage >= 2:
+            raise PlanError(
+                "commfx verify compares every rank's whole gradients after one backward, and shard_states:stage=2 leaves each "
+                "rank only its shard of them; verify with shard_states:stage=1, which reduces the same gradients whole"
+            )
         model, inputs = build_case_model(case)
         preflight(model, case.plan, inputs)
         references.append(checked_reference(case, world_size))

@@ -191,11 +191,10 @@ def cmd_verify(args) -> int:
 
 def memory_summary(memory: list[dict]) -> str:
     """Held bytes per rank (parameters + gradients + optimizer state), as `commfx run` prints them."""
-    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     per_rank = "; ".join(
-        f"rank {r}: {mib(m['parameters'])} + {mib(m['gradients'])} + {mib(m['optimizer_state'])} = {mib(m['total'])}" for r, m in enumerate(memory)
+        f"rank {r}: {m['parameters']:,} + {m['gradients']:,} + {m['optimizer_state']:,} = {m['total']:,}" for r, m in enumerate(memory)
     )
-    return f"held MiB (parameters + gradients + optimizer state) after the last step: {per_rank}"
+    return f"held bytes (parameters + gradients + optimizer state) after the last step: {per_rank}"
 
 
 def cmd_run(args) -> int:

@@ -52,6 +52,7 @@ class ShardStates(RuntimeSetting):
     @dataclasses.dataclass(frozen=True)
     class Options:
         stage: int = 1
+        bucket_bytes: int = 0  # each bucket's size, so its shards' (0: the plan's grad_bucket_bytes, 1 MiB)
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -62,6 +63,8 @@ class ShardStates(RuntimeSetting):
             )
         if options.stage not in STAGES:
             raise PlanError(f"shard_states:stage must be 1 or 2 (ZeRO stages), got {options.stage}")
+        if options.bucket_bytes < 0:
+            raise PlanError(f"shard_states:bucket_bytes must be >= 0 (0: the plan's grad_bucket_bytes), got {options.bucket_bytes}")
         for name in plan.pass_names():
             if name in REFUSED_PASSES:
                 raise PlanError(f"shard_states does not work with {name} yet: {REFUSED_PASSES[name]}; drop one of them")
@@ -70,15 +73,15 @@ class ShardStates(RuntimeSetting):
 
     @classmethod
     def value(cls, options: Options) -> dict:
-        return {"stage": options.stage}
+        return {"stage": options.stage, "bucket_bytes": options.bucket_bytes}
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         super().run(program, options, plan)
-        program.notes.extend(layout_notes(program, options.stage, plan))
+        program.notes.extend(layout_notes(program, options.stage, options.bucket_bytes or plan.grad_bucket_bytes, plan))
         return False
 
 
-def layout_notes(program: Program, stage: int, plan: Plan) -> list[str]:
+def layout_notes(program: Program, stage: int, bucket_bytes: int, plan: Plan) -> list[str]:
     """What each rank holds, bucket by bucket, as `commfx dump` prints it."""
     what = "optimizer state" if stage == 1 else "optimizer state and reduced gradients"
     sizes = {name: len(ranks[0]) for name, ranks in plan.topology.process_groups().items()}
@@ -90,9 +93,9 @@ def layout_notes(program: Program, stage: int, plan: Plan) -> list[str]:
         numel = param.numel() // (spec["parts"] if spec else 1)  # expert shards: this rank's part
         names.append(name)
         entries.append(Entry(group, param.dtype, numel, param.element_size()))
-    buckets = make_buckets(entries, plan.grad_bucket_bytes)
+    buckets = make_buckets(entries, bucket_bytes)
     reduce = "all-reduced, each rank steps its shard" if stage == 1 else "reduce-scattered into each rank's shard"
-    notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {plan.grad_bucket_bytes:,} bytes {reduce}, "
+    notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {bucket_bytes:,} bytes {reduce}, "
              "then the updated shards all-gathered into the parameters"]
     for index, (group, members) in enumerate(buckets):
         numel = sum(entries[i].numel for i in members)

@@ -376,7 +376,8 @@ def bind_call(program: CompiledModel, args: tuple, kwargs: dict) -> dict[str, An
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
     """Apply `program`'s comm schedule (set by partition_a2a) and all-to-all algorithm (set by
     hierarchical_a2a) to `scheduler` (priority on or off) and return the gradient sync for
-    `named_params` (in aot_autograd's order): plan's bucket size, the schedule's chunk size."""
+    `named_params` (in aot_autograd's order): plan's bucket size (shard_states may set its own), the
+    schedule's chunk size; sharded buckets under shard_states."""
     needs = program.runtime
     shards, schedule = needs.shards, needs.comm_schedule
     reduced_in_graph = set(needs.reduced_in_graph)  # e.g. sparse embedding exchange
@@ -388,12 +389,13 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
     ]
     scales = {slot.group: plan.grad_scale_for(slot.group) for slot in slots}
     sharded = {"stage": needs.shard_states["stage"]} if needs.shard_states else {}
+    bucket_bytes = (needs.shard_states.get("bucket_bytes") if needs.shard_states else 0) or plan.grad_bucket_bytes
     return (ShardedGradSync if sharded else GradientSync)(
         slots,
         scheduler,
         **sharded,
         scale=plan.grad_scale,
         scales=scales,
-        bucket_bytes=plan.grad_bucket_bytes,
+        bucket_bytes=bucket_bytes,
         chunk_bytes=schedule.grad_chunk_bytes,
     )
