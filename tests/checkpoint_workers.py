@@ -67,12 +67,14 @@ def train_and_save(rank: int, world_size: int, root: str, model: str, passes: st
     return {"losses": losses, "at_save": at_save, "state": gather_full(dm, optimizer), "placements": _placements(dm)}
 
 
-def load_and_train(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, ep: int = 0) -> dict:
-    """Load the checkpoint at this layout and train `steps` more."""
+def load_and_train(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, ep: int = 0, save_as: str = "") -> dict:
+    """Load the checkpoint at this layout and train `steps` more (then save to `save_as`)."""
     dm, optimizer, local = _module(model, passes, rank, world_size, ep=ep, seed=99)
     info = commfx.load(dm, optimizer, root)
     loaded = gather_full(dm, optimizer)
     losses = _train(dm, optimizer, local, steps)
+    if save_as:
+        commfx.save(dm, optimizer, save_as, step=info["step"] + steps)
     return {"losses": losses, "loaded": loaded, "state": gather_full(dm, optimizer), "notes": info["notes"], "placements": _placements(dm)}
 
 
@@ -84,3 +86,13 @@ def load_refused(rank: int, world_size: int, root: str, model: str, passes: str)
     except commfx.CheckpointError as error:
         return str(error)
     return ""
+
+
+def export_hf_model(rank: int, world_size: int, directory: str, model: str, passes: str, steps: int) -> dict:
+    """Train an HF model a few steps and export it; the full state is returned to compare."""
+    dm, optimizer, local = _module(model, passes, rank, world_size)
+    _train(dm, optimizer, local, steps)
+    commfx.export_hf(dm, directory)
+    with torch.no_grad():
+        logits = dm(*local)
+    return {"state": gather_full(dm), "batch": local, "logits": logits}

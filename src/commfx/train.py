@@ -12,8 +12,6 @@ from torch.utils import _pytree as pytree
 from .models import load_model
 from .ops.locality import LAST_AUX_LOSSES, LAST_CAPACITY, aux_loss_report, capacity_report
 from .plan import Plan
-from .runtime.memory import held_bytes
-from .runtime.sharded_optimizer import shard_optimizer
 from .runtime.trace import Timeline, rank_trace_path
 
 
@@ -27,6 +25,11 @@ class TrainConfig:
     batch: int | None = None
     dump_path: str | None = None
     trace_path: str | None = None  # each rank writes its timeline next to it (see runtime/trace.py)
+    dtype: str = "float32"
+    checkpoint_dir: str | None = None  # save every `checkpoint_every` steps here (commfx.save)
+    checkpoint_every: int = 0
+    resume: str | None = None  # a checkpoint (or a --checkpoint-dir) to start from (commfx.load)
+    export_dir: str | None = None  # after the last step, the whole model for transformers (commfx.export_hf)
 
 
 def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -75,6 +78,26 @@ def stop_if_not_finite(problems: list, step: int, rank: int) -> bool:
     return True
 
 
+def resume(dm, optimizer, path: str, rank: int) -> int:
+    """Load the checkpoint at `path` (commfx.load) and return the step it was saved after."""
+    from .checkpoint import load
+
+    info = load(dm, optimizer, path)
+    if rank == 0:
+        print(f"resumed from {info['path']} after step {info['step']}" + "".join(f"; {n}" for n in info["notes"]), flush=True)
+    return info["step"]
+
+
+def checkpoint(dm, optimizer, root: str, step: int, rank: int) -> None:
+    from .checkpoint import save
+
+    start = time.perf_counter()
+    path = save(dm, optimizer, root, step=step)
+    if rank == 0:
+        size = sum(f.stat().st_size for f in path.iterdir())
+        print(f"checkpoint {path} ({size:,} bytes, {time.perf_counter() - start:.2f}s)", flush=True)
+
+
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .api import distribute
     from .compiler.render import render
@@ -82,7 +105,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     from .verify import batch_tensors, call, data_share, local_batch, pipeline_step
 
     kwargs = {"batch": config.batch} if config.batch else {}
-    model, inputs = load_model(config.model, seed=config.seed, **kwargs)
+    model, inputs = load_model(config.model, seed=config.seed, dtype=getattr(torch, config.dtype), **kwargs)
     local = local_batch(inputs, *data_share(config.plan, rank))  # a tuple, or a dict of keyword tensors
     tensors = batch_tensors(local)
     dm = distribute(model, config.plan, local)
@@ -90,14 +113,15 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     if rank == 0 and config.dump_path:
         with open(config.dump_path, "w") as f:
             f.write(render(dm.module))
-    optimizer = shard_optimizer(dm, torch.optim.AdamW, lr=config.lr)  # sharded under shard_states, else plain AdamW
+    optimizer = torch.optim.AdamW(dm.parameters(), lr=config.lr)
     if not pipelined:  # pack_experts:replace_every re-places experts between steps
         dm.attach_optimizer(optimizer)
+    first_step = resume(dm, optimizer, config.resume, rank) if config.resume else 0
     if config.trace_path:
         dm.timeline = Timeline(rank)
         dm.scheduler.dispatcher.history = []
-    history, memory = [], held_bytes(dm, optimizer)
-    for step in range(config.steps):
+    history = []
+    for step in range(first_step, config.steps):
         start = time.perf_counter()
         LAST_CAPACITY.clear()
         LAST_AUX_LOSSES.clear()
@@ -111,7 +135,6 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         problem = step_not_finite(dm, loss)
         optimizer.step()
         elapsed = time.perf_counter() - start
-        memory = held_bytes(dm, optimizer)  # after the step, gradients still held: the step's peak of held state
         if dm.timeline is not None:
             dm.timeline.step(step + 1, start, start + elapsed)
         stats = dm.scheduler.stats
@@ -146,6 +169,12 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
                 print(aux_loss_report() + "  (rank 0's batch)", flush=True)
             if LAST_CAPACITY:
                 print(capacity_report() + "  (rank 0's batch)", flush=True)
+        if config.checkpoint_dir and config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            checkpoint(dm, optimizer, config.checkpoint_dir, step + 1, rank)
+    if config.export_dir:
+        from .checkpoint.hf import export_hf
+
+        export_hf(dm, config.export_dir)
     local_params = sum(p.numel() for p in dm.parameters())
     trace = None
     if dm.timeline is not None:
@@ -154,4 +183,4 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     expert_placement = {
         op: {"slot_of": s["slot_of"], "replacements": s["replacements"]} for op, s in (placements.state() if placements else {}).items()
     }
-    return {"history": history, "local_params": local_params, "memory": memory, "placement": dm.placement, "expert_placement": expert_placement, "trace": trace}
+    return {"history": history, "local_params": local_params, "placement": dm.placement, "expert_placement": expert_placement, "trace": trace}

@@ -15,6 +15,7 @@ from rich.text import Text
 from ..plan import PRECISIONS, Plan, PlanError
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
+from .checkpoint_args import add_checkpoint_args, check_checkpoint_args
 from .checks import check_local_world, check_output_paths, numbers_as_values, report_defect
 
 # Markup off: what is printed is what was written. Paths, pass lists and error texts hold
@@ -189,14 +190,6 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
-def memory_summary(memory: list[dict]) -> str:
-    """Held bytes per rank (parameters + gradients + optimizer state), as `commfx run` prints them."""
-    per_rank = "; ".join(
-        f"rank {r}: {m['parameters']:,} + {m['gradients']:,} + {m['optimizer_state']:,} = {m['total']:,}" for r, m in enumerate(memory)
-    )
-    return f"held bytes (parameters + gradients + optimizer state) after the last step: {per_rank}"
-
-
 def cmd_run(args) -> int:
     from ..runtime.launcher import launch
     from ..train import TrainConfig
@@ -209,8 +202,11 @@ def cmd_run(args) -> int:
 
     model, inputs = load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))
     preflight(model, plan, inputs)
+    check_checkpoint_args(args, model)
     config = TrainConfig(
-        args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace
+        args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace,
+        dtype=args.dtype, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or (args.steps if args.checkpoint_dir else 0),
+        resume=args.resume, export_dir=args.export,
     )
     console.print(f"training {args.model} for {args.steps} steps on {args.world_size} local gloo ranks, passes {args.passes}")
     start = time.perf_counter()
@@ -223,11 +219,13 @@ def cmd_run(args) -> int:
         stream_rank0=True,
     )
     history = results[0]["history"]
+    if not history:
+        console.print(f"nothing to train: the checkpoint was saved after step {args.steps} or later (raise --steps)")
+        return 0
     console.print(
         f"done in {time.perf_counter() - start:.1f}s: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
         f"parameters per rank {[r['local_params'] for r in results]}"
     )
-    console.print(memory_summary([r["memory"] for r in results]))
     if args.dump:
         console.print(f"rewritten graph written to {args.dump}")
     if args.trace:
@@ -237,7 +235,7 @@ def cmd_run(args) -> int:
         console.print(f"traces: {merged} (all ranks) and {', '.join(r['trace'] for r in results)}; open in https://ui.perfetto.dev")
     if args.json:
         with open(args.json, "w") as f:
-            record = {"history": history, "local_params": [r["local_params"] for r in results], "memory": [r["memory"] for r in results], "expert_placement": results[0]["expert_placement"]}
+            record = {"history": history, "local_params": [r["local_params"] for r in results], "expert_placement": results[0]["expert_placement"]}
             json.dump(record, f, indent=2)
     return 0
 
@@ -271,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the per-step history to this JSON file")
     run.add_argument("--trace", help="write a Chrome/Perfetto timeline here (and one per rank: FILE.rankN.json)")
     run.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
+    add_checkpoint_args(run)
     run.set_defaults(func=cmd_run)
 
     add_bench_parser(sub)

@@ -1,0 +1,216 @@
+"""Checkpoints (commfx.save / commfx.load, `commfx run --checkpoint-dir/--resume/--export`):
+a run killed mid-way and resumed ends equal, digit for digit in float64, to one never
+interrupted; a checkpoint loads at another world and expert-parallel size; a partial,
+corrupted or foreign checkpoint is refused by name; an exported HF model loads in
+transformers with the trained weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from commfx.checkpoint import CheckpointError, store
+
+ROOT = Path(__file__).resolve().parent.parent
+LINA_PACKED = "lift,expert_parallel,pack_experts:replace_every=2;balance=0.5,partition_a2a"
+STEPS, EVERY = 30, 2
+
+
+def commfx_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "commfx", "run", "gpt-moe-tiny", "--passes", LINA_PACKED, "--dtype", "float64", "--timeout", "200", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_children(int(child))]
+    return found
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in _children(launcher):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"commfx.runtime.worker" in argv and argv[-2:] == [str(rank).encode(), b""]:
+            return pid
+    return None
+
+
+def saved_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint at its full shape, read in this process (no ranks)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Lina's passes with packing re-placed every 2 steps, float64, 6 steps, saved every 2."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    done = commfx_run("--world-size", "2", "--steps", str(STEPS), "--checkpoint-dir", str(root / "ck"), "--checkpoint-every", str(EVERY),
+                      "--json", str(root / "run.json"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root
+
+
+@pytest.mark.distributed
+def test_a_run_killed_by_sigkill_resumes_equal_to_one_never_interrupted(uninterrupted, tmp_path):
+    """Rank 1 is SIGKILLed once step 4's checkpoint exists; the run resumed from the last
+    complete checkpoint ends with the same losses and the same parameters, optimizer
+    moments and expert placement (every saved tensor, bit for bit) as the run never
+    interrupted, and a re-placement happened before the kill (the placement was restored)."""
+    ck = tmp_path / "ck"
+    argv = [sys.executable, "-m", "commfx", "run", "gpt-moe-tiny", "--passes", LINA_PACKED, "--dtype", "float64", "--timeout", "200",
+            "--world-size", "2", "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every", str(EVERY)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    crashed = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (ck / "step-000004" / store.MANIFEST).exists():
+            assert crashed.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its step-4 checkpoint"
+            time.sleep(0.02)
+        victim = _rank_pid(crashed.pid, 1)
+        assert victim is not None, "rank 1's process was not found"
+        os.kill(victim, signal.SIGKILL)
+        out, _ = crashed.communicate(timeout=120)
+    finally:
+        if crashed.poll() is None:
+            crashed.kill()
+            crashed.wait(timeout=30)
+    assert crashed.returncode != 0 and "rank 1" in out and "killed by signal 9" in out, out[-2000:]
+    last = int(store.resolve(ck).name.removeprefix("step-"))
+    assert 4 <= last < STEPS, f"the kill came after the last step ({last}): the run was not interrupted"
+    resumed = commfx_run("--world-size", "2", "--steps", str(STEPS), "--resume", str(ck), "--checkpoint-dir", str(ck),
+                         "--checkpoint-every", str(EVERY), "--json", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"after step {last}" in resumed.stdout, resumed.stdout
+    full = json.loads((uninterrupted / "run.json").read_text())
+    again = json.loads((tmp_path / "resumed.json").read_text())
+    assert [r["step"] for r in again["history"]] == list(range(last + 1, STEPS + 1))
+    assert [r["loss"] for r in again["history"]] == [r["loss"] for r in full["history"][last:]]
+    assert again["expert_placement"] == full["expert_placement"]
+    assert full["expert_placement"]["layers.0.moe.experts"]["replacements"] >= 1, "no expert ever moved (the test proves less)"
+    final = store.step_name(STEPS)
+    expected, got = saved_tensors(uninterrupted / "ck" / final), saved_tensors(ck / final)
+    assert sorted(expected) == sorted(got) and any(k.startswith("optimizer/") for k in got)
+    assert expected["model/lm_head.weight"].dtype == torch.float64
+    unequal = [k for k in expected if not torch.equal(expected[k], got[k])]
+    assert not unequal, unequal
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_checkpoint_of_two_ranks_resumes_on_one(uninterrupted, tmp_path):
+    """World 2 -> 1 (dp and ep 2 -> 1, packed experts re-placed for one rank): the same
+    function, so the losses after step 4 agree to float64 rounding."""
+    resumed = commfx_run("--world-size", "1", "--steps", "6", "--resume", str(uninterrupted / "ck" / "step-000004"),
+                         "--json", str(tmp_path / "one.json"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resharded: world_size 2 -> 1" in resumed.stdout, resumed.stdout
+    full = json.loads((uninterrupted / "run.json").read_text())["history"][4:6]
+    one = json.loads((tmp_path / "one.json").read_text())["history"]
+    assert [r["step"] for r in one] == [5, 6]
+    for a, b in zip(full, one):
+        assert abs(a["loss"] - b["loss"]) <= 1e-12, (a["loss"], b["loss"])
+
+
+def test_partial_and_corrupted_checkpoints_are_refused_by_name(uninterrupted, tmp_path):
+    import shutil
+
+    root = tmp_path / "ck"
+    shutil.copytree(uninterrupted / "ck", root)
+    final = store.step_name(STEPS)
+    assert store.resolve(root).name == final
+    (root / ".step-999998.partial").mkdir()  # a save that died: never loaded
+    assert store.resolve(root).name == final
+    checkpoint = root / final
+    data = sorted(checkpoint.glob("*.distcp"))[0]
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=f"{data}.*corrupted.*earlier step"):
+        store.read_manifest(checkpoint)
+    for sealed in root.glob("step-*/" + store.MANIFEST):
+        sealed.unlink()  # unsealed: not checkpoints
+    with pytest.raises(CheckpointError, match="no complete checkpoint.*step-999998.partial.*never loaded"):
+        store.resolve(root)
+    refused = subprocess.run([sys.executable, "-m", "commfx", "run", "gpt-moe-tiny", "--world-size", "2", "--resume", str(root)],  # before any rank
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "no complete checkpoint" in refused.stdout, refused.stdout + refused.stderr
+
+
+def _launch(function: str, world_size: int, **kwargs):
+    from commfx.runtime.launcher import launch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    return launch(f"checkpoint_workers:{function}", world_size, kwargs, timeout_s=300, collective_timeout_s=60)
+
+
+def _equal(a: dict, b: dict) -> list[str]:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_packed_experts_reshard_from_two_ranks_to_four_and_back(tmp_path):
+    """ep 2 -> 4 -> 2 with pack_experts (placements re-solved for 4 ranks from the saved
+    statistics, then for 2): every expert, moment and placement-independent tensor loads
+    bit for bit at each layout, and the losses continue as the 2-rank run's to 1e-12."""
+    passes = LINA_PACKED
+    two = _launch("train_and_save", 2, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=passes, steps=5, save_at=3)[0]
+    assert two["placements"]["layers.0.moe.experts"] != [0, 1, 2, 3], "no re-placement before the save (the test proves less)"
+    four = _launch("load_and_train", 4, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=passes, steps=2, save_as=str(tmp_path / "b"))[0]
+    assert not _equal(two["at_save"], four["loaded"]), _equal(two["at_save"], four["loaded"])
+    assert any("re-placed for 4 ranks" in n for n in four["notes"]), four["notes"]
+    for a, b in zip(two["losses"][3:], four["losses"]):
+        assert abs(a - b) <= 1e-12, (two["losses"], four["losses"])
+    back = _launch("load_and_train", 2, root=str(tmp_path / "b"), model="gpt-moe-tiny", passes=passes, steps=1)[0]
+    assert not _equal(four["state"], back["loaded"]), _equal(four["state"], back["loaded"])
+    assert any("re-placed for 2 ranks" in n for n in back["notes"]), back["notes"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_foreign_checkpoint_is_refused_by_name(tmp_path):
+    """Another model, or other passes, is refused naming the manifest and what differs."""
+    _launch("train_and_save", 2, root=str(tmp_path), model="gpt-moe-tiny", passes="lift,expert_parallel", steps=1, save_at=1)
+    other_model = _launch("load_refused", 2, root=str(tmp_path), model="gpt-moe", passes="lift,expert_parallel")[0]
+    assert "commfx.json holds another model" in other_model and "load it into the model" in other_model, other_model
+    other_plan = _launch("load_refused", 2, root=str(tmp_path), model="gpt-moe-tiny", passes="lift,expert_parallel,partition_a2a")[0]
+    assert "commfx.json was saved by a plan with passes lift,expert_parallel" in other_plan, other_plan
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_exported_hf_model_loads_in_transformers_with_the_trained_weights(tmp_path):
+    """export_hf after 2 steps of expert-parallel training on 2 ranks: from_pretrained gives
+    every trained parameter bit for bit and the distributed model's logits exactly."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path / "hf"
+    ranks = _launch("export_hf_model", 2, directory=str(directory), model="hf:mixtral", passes="lift,expert_parallel,partition_a2a", steps=2)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, experts_implementation="eager")
+    params = dict(model.named_parameters())
+    trained = ranks[0]["state"]
+    assert set(params) <= set(trained), set(params) - set(trained)
+    assert not [n for n in params if not torch.equal(params[n], trained[n])]
+    model.train()
+    with torch.no_grad():
+        for r in ranks:
+            assert torch.equal(model(r["batch"][0]).logits, r["logits"].logits)
