@@ -12,6 +12,8 @@ from torch.utils import _pytree as pytree
 from .models import load_model
 from .ops.locality import LAST_AUX_LOSSES, LAST_CAPACITY, aux_loss_report, capacity_report
 from .plan import Plan
+from .runtime.memory import held_bytes
+from .runtime.sharded_optimizer import shard_optimizer
 from .runtime.trace import Timeline, rank_trace_path
 
 
@@ -113,14 +115,14 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     if rank == 0 and config.dump_path:
         with open(config.dump_path, "w") as f:
             f.write(render(dm.module))
-    optimizer = torch.optim.AdamW(dm.parameters(), lr=config.lr)
+    optimizer = shard_optimizer(dm, torch.optim.AdamW, lr=config.lr)  # sharded under shard_states, else plain AdamW
     if not pipelined:  # pack_experts:replace_every re-places experts between steps
         dm.attach_optimizer(optimizer)
     first_step = resume(dm, optimizer, config.resume, rank) if config.resume else 0
     if config.trace_path:
         dm.timeline = Timeline(rank)
         dm.scheduler.dispatcher.history = []
-    history = []
+    history, memory = [], held_bytes(dm, optimizer)
     for step in range(first_step, config.steps):
         start = time.perf_counter()
         LAST_CAPACITY.clear()
@@ -135,6 +137,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         problem = step_not_finite(dm, loss)
         optimizer.step()
         elapsed = time.perf_counter() - start
+        memory = held_bytes(dm, optimizer)  # after the step, gradients still held: the step's peak of held state
         if dm.timeline is not None:
             dm.timeline.step(step + 1, start, start + elapsed)
         stats = dm.scheduler.stats
@@ -183,4 +186,4 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     expert_placement = {
         op: {"slot_of": s["slot_of"], "replacements": s["replacements"]} for op, s in (placements.state() if placements else {}).items()
     }
-    return {"history": history, "local_params": local_params, "placement": dm.placement, "expert_placement": expert_placement, "trace": trace}
+    return {"history": history, "local_params": local_params, "memory": memory, "placement": dm.placement, "expert_placement": expert_placement, "trace": trace}

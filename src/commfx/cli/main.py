@@ -190,6 +190,14 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def memory_summary(memory: list[dict]) -> str:
+    """Held bytes per rank (parameters + gradients + optimizer state), as `commfx run` prints them."""
+    per_rank = "; ".join(
+        f"rank {r}: {m['parameters']:,} + {m['gradients']:,} + {m['optimizer_state']:,} = {m['total']:,}" for r, m in enumerate(memory)
+    )
+    return f"held bytes (parameters + gradients + optimizer state) after the last step: {per_rank}"
+
+
 def cmd_run(args) -> int:
     from ..runtime.launcher import launch
     from ..train import TrainConfig
@@ -226,6 +234,7 @@ def cmd_run(args) -> int:
         f"done in {time.perf_counter() - start:.1f}s: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
         f"parameters per rank {[r['local_params'] for r in results]}"
     )
+    console.print(memory_summary([r["memory"] for r in results]))
     if args.dump:
         console.print(f"rewritten graph written to {args.dump}")
     if args.trace:
@@ -235,7 +244,7 @@ def cmd_run(args) -> int:
         console.print(f"traces: {merged} (all ranks) and {', '.join(r['trace'] for r in results)}; open in https://ui.perfetto.dev")
     if args.json:
         with open(args.json, "w") as f:
-            record = {"history": history, "local_params": [r["local_params"] for r in results], "expert_placement": results[0]["expert_placement"]}
+            record = {"history": history, "local_params": [r["local_params"] for r in results], "memory": [r["memory"] for r in results], "expert_placement": results[0]["expert_placement"]}
             json.dump(record, f, indent=2)
     return 0
 
