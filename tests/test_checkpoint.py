@@ -214,3 +214,19 @@ def test_an_exported_hf_model_loads_in_transformers_with_the_trained_weights(tmp
     with torch.no_grad():
         for r in ranks:
             assert torch.equal(model(r["batch"][0]).logits, r["logits"].logits)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_readme_torchrun_recipe_saves_resumes_and_exports(tmp_path):
+    """examples/checkpoint_resume.py as the README runs it: 2 steps saved, then resumed from
+    step 2 to 4 with an export that transformers loads."""
+    from test_examples import losses, torchrun
+    from transformers import AutoModelForCausalLM
+
+    ck, hf = tmp_path / "ck", tmp_path / "hf"
+    first = torchrun("checkpoint_resume.py", "--steps", "2", "--checkpoint-dir", str(ck))
+    assert len(losses(first)) == 2 and (ck / "step-000002" / store.MANIFEST).exists(), first
+    second = torchrun("checkpoint_resume.py", "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "--export", str(hf))
+    assert "step 3/4" in second and "step 1/4" not in second, second
+    assert AutoModelForCausalLM.from_pretrained(hf).config.num_local_experts == 4

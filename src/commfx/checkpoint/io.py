@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import state as st
 from . import store
+from ..runtime.sharded_optimizer import ShardedOptimizer
 from .chunks import LoadPlanner, SavePlanner
 from .state import CheckpointError
 
@@ -37,8 +38,10 @@ def _unpack(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def rank_form_reason(dm) -> str | None:
+def rank_form_reason(dm, optimizer=None) -> str | None:
     """Why `dm` is saved rank by rank (not resharded), or None for the model form."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return "shard_states (each rank holds only its shard of the optimizer state)"
     if not hasattr(dm, "placements"):
         return "pipeline stages (their codec state and stage parameters belong to one rank)"
     if getattr(dm, "straggler", None) is not None:
@@ -76,7 +79,7 @@ def save(dm, optimizer: torch.optim.Optimizer, path, *, step: int | None = None)
         store.clear_partials(root)
     dm.scheduler.barrier()
     values: dict = {_rank_key(rank, "rng"): _pack(_rng_state())}
-    reason = rank_form_reason(dm)
+    reason = rank_form_reason(dm, optimizer)
     if reason is None:
         values.update(st.model_state(dm))
         values.update(st.optimizer_state(dm, optimizer))
@@ -118,7 +121,7 @@ def load(dm, optimizer: torch.optim.Optimizer | None, path) -> dict:
     if error:
         raise CheckpointError(error)
     checkpoint = Path(where)
-    notes = _check_fits(dm, manifest, checkpoint)
+    notes = _check_fits(dm, optimizer, manifest, checkpoint)
     reader = FileSystemReader(checkpoint)
     saved = reader.read_metadata().state_dict_metadata
     same_world = manifest["layout"]["world_size"] == dm.plan.topology.world_size
@@ -162,7 +165,7 @@ def _restore_objects(dm, optimizer, values: dict) -> None:
             optimizer.state[params[name]][key] = value
 
 
-def _check_fits(dm, manifest: dict, checkpoint: Path) -> list[str]:
+def _check_fits(dm, optimizer, manifest: dict, checkpoint: Path) -> list[str]:
     """Refuse a checkpoint of another model, plan or (rank form) layout; list what reshards."""
     file = checkpoint / store.MANIFEST
     saved, here = manifest["layout"], layout(dm)
@@ -172,7 +175,7 @@ def _check_fits(dm, manifest: dict, checkpoint: Path) -> list[str]:
             "A checkpoint carries its passes' runtime state (placements, error feedback): resume with the same passes "
             "(options and world/ep sizes may change)"
         )
-    reason = rank_form_reason(dm)
+    reason = rank_form_reason(dm, optimizer)
     if manifest["form"] == "rank" or reason:
         why = manifest.get("rank_form_reason") or reason
         changed = [f"{k} {saved[k]} -> {here[k]}" for k in ("world_size", "dp", "ep", "pp", "tp") if saved[k] != here[k]]
