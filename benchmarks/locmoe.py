@@ -1,29 +1,36 @@
-"""LocMoE on 2 nodes x 2 ranks (4 gloo ranks on this machine): inter-node all-to-all bytes
-per step, expert load max/mean, and the final training loss on pydoc_data.topics bytes, for
-plain top-k, switch, hash and locality_gate (soft and hard), each with the flat and the
-hierarchical all-to-all. Step times come from `commfx bench` (interleaved; see benchmarks/log/notebook-2026-11.md).
+"""LocMoE like for like (issue 30): top-1 routers on pydoc_data.topics bytes, several seeds.
 
-    .venv/bin/python benchmarks/locmoe.py --steps 300 --json benchmarks/locmoe.json
+For switch, hash, GrAP with locality and the model's scores with locality, every one top-1,
+on NODES x RANKS_PER_NODE gloo ranks: inter-node all-to-all bytes per step, expert load
+max/mean and the final training loss, per seed, then the mean and spread over seeds. Step
+times come from `commfx bench` (interleaved; see benchmarks/RESULTS.md).
 
-Bytes are exact (counted by the comm scheduler), whatever the CPU load. Every plan trains the
-same model (same seed) on the same byte windows (same seed)."""
+    .venv/bin/python benchmarks/locmoe.py --model gpt-moe --seeds 0,1,2 --steps 300 \
+        --json benchmarks/locmoe_top1_quality_gpt_moe.json
+
+Models: `gpt-moe` (the built-in, top_k=1, hidden 32, 8 experts) and `qwen3-moe` (HF
+Qwen3-MoE at Qwen3-30B-A3B's proportions scaled to hidden 128 by `bench/proportions.py`:
+128 experts, expert width 0.375 x hidden; top_k=1 like every router here). Both take a
+256-byte vocabulary. Bytes are exact (counted by the comm scheduler), whatever the CPU
+load. A seed fixes the model's weights and the byte windows; every router of one seed
+trains the same model on the same windows.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 ROUTERS = {
-    "plain top-2": "lift,expert_parallel",
-    "switch (top-1)": "lift,locality_gate:gate=switch;mu=0,expert_parallel",
+    "switch": "lift,locality_gate:gate=switch;mu=0,expert_parallel",
     "hash": "lift,locality_gate:gate=hash,expert_parallel",
-    "locality_gate soft": "lift,locality_gate:max_nodes=0;max_remote_fraction=1;balance=0,expert_parallel",
-    "locality_gate hard (defaults)": "lift,locality_gate,expert_parallel",
+    "grap+locality": "lift,locality_gate:gate=grap,expert_parallel",
+    "model+locality": "lift,locality_gate:gate=model,expert_parallel",
 }
-# Each router with the flat and the hierarchical all-to-all (lossless: same losses, fewer bytes).
-PLANS = {**ROUTERS, **{f"{label} + hierarchical": f"{passes},hierarchical_a2a" for label, passes in ROUTERS.items()}}
+FINAL = "final_loss (mean of last 10% of steps)"
 
 
 def corpus_batches(steps: int, batch: int, seq: int, seed: int):
@@ -38,11 +45,28 @@ def corpus_batches(steps: int, batch: int, seq: int, seed: int):
         yield torch.stack([data[s : s + seq] for s in starts.tolist()])
 
 
-def worker(rank: int, world_size: int, passes: str, steps: int, batch: int, seq: int) -> dict:
+def build_model(name: str, seed: int, batch: int, seq: int):
+    """(model, example batch) of `name`, top-1, 256-byte vocabulary."""
+    from commfx.models import load_model
+
+    if name == "gpt-moe":
+        return load_model("gpt-moe", seed=seed, batch=batch, seq=seq, vocab_size=256, top_k=1)
+    if name == "qwen3-moe":
+        from commfx.bench.proportions import REAL_MODELS, scaled
+
+        m = scaled(REAL_MODELS["qwen3-30b-a3b"], hidden=128)
+        return load_model(
+            "hf:qwen3_moe", seed=seed, batch=batch, seq=seq, vocab_size=256, hidden_size=m.hidden,
+            num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_hidden_layers=m.layers,
+            num_experts=m.experts, moe_intermediate_size=m.expert_hidden, num_experts_per_tok=1,
+        )
+    raise ValueError(f"unknown model {name!r}: gpt-moe or qwen3-moe")
+
+
+def worker(rank: int, world_size: int, passes: str, model: str, seed: int, steps: int, batch: int, seq: int, ranks_per_node: int) -> list:
     import torch
 
     from commfx.api import distribute
-    from commfx.models.gpt_moe import build_gpt_moe
     from commfx.ops import locality, moe
     from commfx.plan import Plan
     from commfx.train import loss_fn
@@ -56,12 +80,12 @@ def worker(rank: int, world_size: int, passes: str, steps: int, batch: int, seq:
         return layout(indices, num_experts, capacity_factor)
 
     moe._dispatch_layout = counting_layout
-    model, (example,) = build_gpt_moe(seed=0, batch=batch, seq=seq, vocab_size=256)
-    plan = Plan.from_cli(passes, world_size=world_size, ranks_per_node=2)
-    dm = distribute(model, plan, (split_batch(example, world_size, rank),))
+    net, (example,) = build_model(model, seed, batch, seq)
+    plan = Plan.from_cli(passes, world_size=world_size, ranks_per_node=ranks_per_node)
+    dm = distribute(net, plan, (split_batch(example, world_size, rank),))
     optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
     history = []
-    for ids in corpus_batches(steps, batch, seq, seed=1):
+    for ids in corpus_batches(steps, batch, seq, seed=1000 + seed):
         local = (split_batch(ids, world_size, rank),)
         dm.scheduler.stats.reset()
         loads.clear()
@@ -95,43 +119,77 @@ def summarize(ranks: list[list[dict]]) -> dict:
         "a2a_inter_node_bytes_first_step": inter[0],
         "a2a_inter_node_bytes_mean": sum(inter) / steps,
         "load_max_over_mean": sum(ratios) / len(ratios),
-        "final_loss (mean of last 10% of steps)": final,
+        FINAL: final,
         "aux_last": ranks[0][-1]["aux"],
     }
+
+
+def over_seeds(runs: dict[int, dict]) -> dict:
+    """Mean and spread (min, max, sample standard deviation) over seeds of each figure."""
+    out = {}
+    for key in ("a2a_inter_node_bytes_mean", "load_max_over_mean", FINAL):
+        values = [r[key] for r in runs.values()]
+        out[key] = {
+            "mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "per_seed": values,
+        }
+    return out
+
+
+def table(results: dict, base: str) -> str:
+    """Markdown: each router against `base` (bytes and loss: means over seeds)."""
+    b = results[base]["over_seeds"]
+    lines = [
+        f"| router | inter-node a2a B/step | vs {base} | load max/mean | final loss mean ± sd [min–max] | vs {base} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, r in results.items():
+        s = r["over_seeds"]
+        loss = s[FINAL]
+        lines.append(
+            f"| {label} | {s['a2a_inter_node_bytes_mean']['mean']:,.0f} | "
+            f"{s['a2a_inter_node_bytes_mean']['mean'] / b['a2a_inter_node_bytes_mean']['mean']:.2f}x | "
+            f"{s['load_max_over_mean']['mean']:.2f} | {loss['mean']:.4f} ± {loss['stdev']:.4f} [{loss['min']:.4f}–{loss['max']:.4f}] | "
+            f"{loss['mean'] / b[FINAL]['mean'] - 1:+.2%} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     from commfx.runtime.launcher import launch
 
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gpt-moe", choices=("gpt-moe", "qwen3-moe"))
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (model weights and byte windows)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--json", default="")
-    parser.add_argument("--only", default="", help="run only the plans whose label contains one of these comma-separated words")
+    parser.add_argument("--only", default="", help="run only these comma-separated labels, in this order (switch always runs, first)")
     parser.add_argument("--plan", action="append", default=[], metavar="LABEL=PASSES", help="an extra plan (repeatable)")
     args = parser.parse_args()
-    plans = {**PLANS, **dict(p.split("=", 1) for p in args.plan)}
+    plans = {**ROUTERS, **dict(p.split("=", 1) for p in args.plan)}
     if args.only:
-        plans = {label: passes for label, passes in plans.items() if label == "plain top-2" or any(w in label for w in args.only.split(","))}
+        plans = {label: plans[label] for label in dict.fromkeys(["switch", *args.only.split(",")])}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    world = args.nodes * args.ranks_per_node
     sys.path.insert(0, str(Path(__file__).parent))
     results = {}
+    config = {k: getattr(args, k) for k in ("model", "steps", "batch", "seq", "nodes", "ranks_per_node")} | {"seeds": seeds}
     for label, passes in plans.items():
-        ranks = launch("locmoe:worker", 4, {"passes": passes, "steps": args.steps, "batch": args.batch, "seq": args.seq}, timeout_s=1200)
-        results[label] = summarize(ranks)
-        print(label, json.dumps(results[label]), flush=True)
-    base = results["plain top-2"]
-    print("\n| plan | inter-node a2a bytes/step (step 1) | mean | vs plain | load max/mean | final loss | vs plain |")
-    print("|---|---|---|---|---|---|---|")
-    for label, r in results.items():
-        print(
-            f"| {label} | {r['a2a_inter_node_bytes_first_step']:,} | {r['a2a_inter_node_bytes_mean']:,.0f} | "
-            f"{r['a2a_inter_node_bytes_mean'] / base['a2a_inter_node_bytes_mean']:.2f}x | {r['load_max_over_mean']:.2f} | "
-            f"{r['final_loss (mean of last 10% of steps)']:.4f} | "
-            f"{r['final_loss (mean of last 10% of steps)'] / base['final_loss (mean of last 10% of steps)'] - 1:+.1%} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        runs = {}
+        for seed in seeds:
+            kwargs = {"passes": passes, "model": args.model, "seed": seed, "steps": args.steps, "batch": args.batch,
+                      "seq": args.seq, "ranks_per_node": args.ranks_per_node}
+            runs[seed] = summarize(launch("locmoe:worker", world, kwargs, timeout_s=3600))
+            print(label, seed, json.dumps({k: v for k, v in runs[seed].items() if k != "aux_last"}), flush=True)
+        results[label] = {"passes": passes, "per_seed": runs, "over_seeds": over_seeds(runs)}
+        if args.json:  # after every router, so a cut run keeps what it measured
+            Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=1))
+    print()
+    print(table(results, "switch"))
 
 
 if __name__ == "__main__":

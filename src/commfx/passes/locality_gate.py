@@ -17,10 +17,15 @@ token's node while staying balanced. This pass substitutes each lifted `topk_rou
   gate vectors measured on every batch, raises the configured factor: the dispatch uses
   max(floor, configured) (as a factor: n x floor, 1 = the even share).
 
-The defaults (model scores, <= 2 nodes per token, 30% of the tokens may leave, balance 1.2)
-hold from the first step, without the losses: at most 0.3 x k off-node rows per token
-(0.6 of plain top-k's (N-1)/N x k at 2 nodes, uniform); measured 0.41x plain top-k's
-inter-node bytes at step 1, load max/mean 1.22, final loss +0.9% (benchmarks/log/notebook-2026-11.md).
+The defaults depend on the router's top-k (`default_remote_fraction`; `commfx dump` notes the
+choice per layer). Both use the model's scores, <= 2 nodes per token and balance 1.2, from the
+first step:
+- top-1 (LocMoE's own setting): at most 20% of a rank's tokens leave its node. Chosen from the
+  like-for-like top-1 table (benchmarks/RESULTS.md, LocMoE): on gpt-moe at 2 x 1 it gives 0.39x
+  a switch router's inter-node all-to-all bytes, a step 0.58x switch's and hash's, load
+  max/mean 1.19 and final loss +0.3% over 3 seeds; 30% gave 0.59x the bytes;
+- top-2 and up: 30%, as measured against plain top-2 (0.41x inter-node bytes, load max/mean
+  1.22, final loss +0.9%; benchmarks/log/notebook-2026-11.md).
 Lossy: it changes which experts run.
 """
 
@@ -45,6 +50,14 @@ commfx = torch.ops.commfx
 PASS = "locality_gate"
 GATES = ("model", "grap", "switch", "hash")
 BASELINES = ("switch", "hash")  # top-1, no locality
+# max_remote_fraction when the plan leaves it unset, by the router's top-k (see the docstring)
+REMOTE_FRACTION_TOP1 = 0.2
+REMOTE_FRACTION_TOPK = 0.3
+
+
+def default_remote_fraction(k: int) -> float:
+    """The off-node share a router picking `k` experts gets by default: 0.2 for top-1, 0.3 above."""
+    return REMOTE_FRACTION_TOP1 if k == 1 else REMOTE_FRACTION_TOPK
 
 
 def expert_nodes(topology: Topology, num_experts: int) -> tuple[list[int], list[int]]:
@@ -74,7 +87,7 @@ class LocalityGate(Pass):
     class Options:
         gate: str = "model"  # model | grap | switch | hash
         max_nodes: int = 2  # each token's experts on at most this many nodes (0: no limit)
-        max_remote_fraction: float = 0.3  # at most this fraction of a rank's tokens leaves its node (1: no cap)
+        max_remote_fraction: float | None = None  # at most this fraction of a rank's tokens leaves its node (1: no cap; unset: by top-k)
         alpha: float = 0.01  # load-balancing loss weight (0: off)
         mu: float = 0.01  # locality loss weight (0: off)
         balance: float = 1.2  # no expert takes more than this x its node's mean rows (0: off; balanced_topk)
@@ -83,7 +96,7 @@ class LocalityGate(Pass):
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.gate not in GATES:
             raise PlanError(f"locality_gate gate={options.gate!r} is not one of {', '.join(GATES)}")
-        if not 0.0 <= options.max_remote_fraction <= 1.0:
+        if options.max_remote_fraction is not None and not 0.0 <= options.max_remote_fraction <= 1.0:
             raise PlanError(f"locality_gate max_remote_fraction must be in [0, 1], got {options.max_remote_fraction}")
         if options.max_nodes < 0 or options.alpha < 0 or options.mu < 0:
             raise PlanError("locality_gate max_nodes, alpha and mu must be >= 0")
@@ -125,8 +138,10 @@ class LocalityGate(Pass):
                     f"locality_gate: the router of {block.path} was not lifted to commfx.topk_router "
                     "(lift keeps group-limited, sigmoid and biased routers verbatim); drop locality_gate for this model"
                 )
-            _substitute(rw, router, picks, dispatch, block, options, plan)
+            fraction = _substitute(rw, router, picks, dispatch, block, options, plan)
+            program.decisions.setdefault(PASS, {})[block.path] = {"gate": options.gate, "top_k": block.top_k, "max_remote_fraction": fraction}
             changed = True
+        program.notes.extend(_default_notes(program.decisions.get(PASS, {}), options))
         rw.finish()
         return changed
 
@@ -144,7 +159,22 @@ def _lifted_router(indices: fx.Node):
     return router, {u.args[1]: u for u in router.users if u.target is operator.getitem}
 
 
-def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, block: MoEBlock, options, plan: Plan) -> None:
+def _default_notes(decisions: dict, options) -> list[str]:
+    """One `commfx dump` note per distinct default the plan left to the pass (none when set)."""
+    if options.max_remote_fraction is not None or options.gate in BASELINES:
+        return []
+    by_k: dict[int, list[str]] = {}
+    for path, d in decisions.items():
+        by_k.setdefault(d["top_k"], []).append(path)
+    return [
+        f"{PASS}: top-{k} router ({len(paths)} layer{'s' if len(paths) > 1 else ''}): max_remote_fraction="
+        f"{default_remote_fraction(k):g} by default ({'top-1: LocMoE table, RESULTS.md' if k == 1 else 'top-k >= 2: as before'}); "
+        "set it to override"
+        for k, paths in sorted(by_k.items())
+    ]
+
+
+def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, block: MoEBlock, options, plan: Plan) -> float:
     graph = rw.graph
     logits, k, normalize, score_dtype = router.args
     x = dispatch.args[0]
@@ -157,7 +187,8 @@ def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, b
     switch = options.gate in BASELINES
     k_used = 1 if switch else k
     max_nodes = num_nodes if switch or options.max_nodes == 0 else options.max_nodes
-    fraction = 1.0 if switch else options.max_remote_fraction
+    chosen_by_default = options.max_remote_fraction is None and not switch
+    fraction = 1.0 if switch else (default_remote_fraction(k) if chosen_by_default else options.max_remote_fraction)
     if max_nodes * per_node < k_used or (fraction < 1.0 and per_node < k_used):
         raise PassError(
             f"locality_gate: {block.path} picks {k_used} experts but a node holds {per_node}; "
@@ -217,6 +248,7 @@ def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, b
         if node is not None and not node.users:
             rw.erase(node)
     block.top_k, block.gate = k_used, options.gate
+    return fraction
 
 
 def _router_weight(logits: fx.Node) -> fx.Node | None:
