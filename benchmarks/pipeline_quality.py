@@ -4,9 +4,12 @@ without compression, and with and without lazy error propagation.
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 4 --json benchmarks/pipeline_quality.json
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --json benchmarks/pipeline_quality_r16_h256.json
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 4 --dp 2 --json benchmarks/pipeline_quality_dp2.json
+    .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
+        --microbatches 2 --json benchmarks/pipeline_quality_peer_model.json   # the model of the peer:pipelining run
 
 pp=2 on 2 local gloo ranks, gpt-moe with a byte vocabulary (256), hidden 128 (--hidden), 2 layers,
-batches of 8 x 64 bytes of pydoc_data.topics (consecutive, no repeats), 4 micro-batches,
+expert hidden 24 (--expert-hidden), batches of 8 x 64 bytes of pydoc_data.topics (--batch;
+consecutive, no repeats), 4 micro-batches (--microbatches),
 1F1B, AdamW lr 3e-3, seed 0. Every plan trains the same model from the same start on the
 same batches, one plan after another in the same processes. With --dp 2 (4 ranks, pp=2 x
 dp=2; each dp rank takes half of every batch) the plans are Optimus-CC's selective stage
@@ -27,15 +30,15 @@ import torch
 import torch.nn.functional as F
 
 PLANS = {
-    "uncompressed": "lift,pipeline_split:microbatches=4",
-    "compressed, lazy error propagation": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r};epilogue_only=false",
-    "compressed, no error feedback": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r};epilogue_only=false;error_feedback=false",
-    "epilogue only, lazy error propagation": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r}",
+    "uncompressed": "lift,pipeline_split:microbatches={m}",
+    "compressed, lazy error propagation": "lift,pipeline_split:microbatches={m},compress_pipeline:rank={r};epilogue_only=false",
+    "compressed, no error feedback": "lift,pipeline_split:microbatches={m},compress_pipeline:rank={r};epilogue_only=false;error_feedback=false",
+    "epilogue only, lazy error propagation": "lift,pipeline_split:microbatches={m},compress_pipeline:rank={r}",
 }
 PLANS_DP = {
-    "uncompressed": "lift,pipeline_split:microbatches=4",
-    "selective: stage 0 dp all-reduce at rank r": "lift,pipeline_split:microbatches=4,compress_pipeline:boundaries=none;dp_stages=1;dp_rank={r}",
-    "selective + epilogue-only boundary, rank r": "lift,pipeline_split:microbatches=4,compress_pipeline:rank={r};dp_stages=1;dp_rank={r}",
+    "uncompressed": "lift,pipeline_split:microbatches={m}",
+    "selective: stage 0 dp all-reduce at rank r": "lift,pipeline_split:microbatches={m},compress_pipeline:boundaries=none;dp_stages=1;dp_rank={r}",
+    "selective + epilogue-only boundary, rank r": "lift,pipeline_split:microbatches={m},compress_pipeline:rank={r};dp_stages=1;dp_rank={r}",
 }
 
 
@@ -48,12 +51,13 @@ def corpus_batches(batch: int, seq: int, steps: int) -> torch.Tensor:
     return data[:need].view(steps, batch, seq)
 
 
-def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int, dp: int = 1) -> dict:
+def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int, dp: int = 1, batch: int = 8,
+           microbatches: int = 4, expert_hidden: int = 24) -> dict:
     from commfx.api import distribute
     from commfx.models import build_gpt_moe
     from commfx.plan import Plan
 
-    data = corpus_batches(8, 64, steps)
+    data = corpus_batches(batch, 64, steps)
 
     def loss_fn(logits, mb):
         ids = mb.inputs[0]
@@ -64,8 +68,8 @@ def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int, dp:
     out = {}
     for label, passes in (PLANS_DP if dp > 1 else PLANS).items():
         torch.manual_seed(0)
-        model, _ = build_gpt_moe(vocab_size=256, hidden_size=hidden, num_layers=2, max_seq=64, seed=0)
-        dm = distribute(model, Plan.from_cli(passes.format(r=rank_r), world_size=2 * dp, pp=2), (data[0],))
+        model, _ = build_gpt_moe(vocab_size=256, hidden_size=hidden, num_layers=2, max_seq=64, expert_hidden=expert_hidden, seed=0)
+        dm = distribute(model, Plan.from_cli(passes.format(r=rank_r, m=microbatches), world_size=2 * dp, pp=2), (data[0],))
         optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
         losses, backward_bytes, dp_bytes, start = [], 0, 0, time.perf_counter()
         for step in range(steps):
@@ -87,13 +91,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="rows of 64 bytes a step")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--expert-hidden", type=int, default=24)
     parser.add_argument("--dp", type=int, default=1, choices=(1, 2), help="2: pp=2 x dp=2 on 4 ranks, selective stage compression")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from commfx.runtime.launcher import launch
 
-    kwargs = {"steps": args.steps, "rank_r": args.rank, "hidden": args.hidden, "dp": args.dp}
+    kwargs = {"steps": args.steps, "rank_r": args.rank, "hidden": args.hidden, "dp": args.dp, "batch": args.batch,
+              "microbatches": args.microbatches, "expert_hidden": args.expert_hidden}
     results = launch("pipeline_quality:worker", 2 * args.dp, kwargs, timeout_s=6 * 3600)
     first_stage, last_stages = results[0], results[args.dp :]  # ranks [0, dp): stage 0
     plans = PLANS_DP if args.dp > 1 else PLANS

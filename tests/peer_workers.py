@@ -308,7 +308,9 @@ def ddp_check_on_a_loss_model(rank: int, world_size: int) -> dict:
 # ------------------------------------------------------------------------------ peer:fsdp2, peer:pipelining
 
 
-TWO_LAYERS = {"num_layers": 2}  # a stage each on 2 ranks
+def _two_layers(model: str) -> dict:
+    """A stage each on 2 ranks: the layer count's field of the model's config."""
+    return {"num_hidden_layers": 2} if model.startswith("hf:") else {"num_layers": 2}
 
 
 def sharded_or_staged_check(rank: int, world_size: int, peer: str, model: str, options: dict | None = None,
@@ -317,7 +319,7 @@ def sharded_or_staged_check(rank: int, world_size: int, peer: str, model: str, o
     differs from the others' (its reference then is not the function the peer computes)."""
     from commfx.bench.peers import peer_module
 
-    module, inputs = load_model(model, batch=4, **TWO_LAYERS)
+    module, inputs = load_model(model, batch=4, **_two_layers(model))
     if rank == perturb_rank:
         with torch.no_grad():
             for p in module.parameters():
@@ -335,7 +337,7 @@ def peer_steps(rank: int, world_size: int, peer: str, model: str, steps: int, op
     from commfx.verify import local_batch
 
     module = peer_module(peer)
-    model_, inputs = load_model(model, batch=8, **TWO_LAYERS)
+    model_, inputs = load_model(model, batch=8, **_two_layers(model))
     model_ = model_.double()
     share = inputs if getattr(module, "WHOLE_BATCH", False) else local_batch(inputs, world_size, rank)
     runner = module.Runner(model_, share, ep_size=1, lr=1e-2, **(options or {}))
@@ -352,7 +354,7 @@ def reference_losses(model: str, steps: int) -> list[float]:
     """The single-process model's mean losses over `steps` AdamW steps on the whole batch (float64)."""
     from commfx.train import loss_fn
 
-    model_, inputs = load_model(model, batch=8, **TWO_LAYERS)
+    model_, inputs = load_model(model, batch=8, **_two_layers(model))
     model_ = model_.double()
     optimizer = torch.optim.AdamW(model_.parameters(), lr=1e-2)
     losses = []

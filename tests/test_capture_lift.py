@@ -96,3 +96,26 @@ def test_hf_families(family, router_lifted):
 def test_expert_parallel_on_one_rank_is_the_identity_function():
     program = assert_same_function("gpt-moe", passes="lift,expert_parallel")
     assert commfx_targets(program.gm).count("all_to_all") == 4
+
+
+def test_builtin_experts_grouped_matmul_is_the_per_row_function_with_empty_experts():
+    """Experts.implementation="grouped_mm" (what the peers run eagerly) computes the per-row
+    form's function, values and gradients, float32, with experts that get no rows."""
+    from commfx.models.gpt_moe import Experts, GPTMoEConfig
+
+    torch.manual_seed(0)
+    experts = Experts(GPTMoEConfig(hidden_size=16, num_experts=6, expert_hidden=8))
+    x = torch.randn(10, 16)
+    indices = torch.randint(0, 3, (10, 2))  # experts 3, 4 and 5 get nothing
+    weights = torch.rand(10, 2)
+    results = []
+    for implementation in ("per_row", "grouped_mm"):
+        experts.implementation = implementation
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = experts(xi, indices, weights)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), xi.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    for per_row, grouped in zip(*results):
+        torch.testing.assert_close(grouped, per_row, rtol=1e-4, atol=1e-5)  # float32, sums in another order
+    assert results[1][2][3:].abs().max() == 0  # no rows, no gradient

@@ -13,12 +13,14 @@ from peer_workers import reference_losses
 
 pytestmark = pytest.mark.distributed
 
-CASES = [("fsdp2", {}), ("pipelining", {}), ("pipelining", {"schedule": "gpipe", "microbatches": 4})]
+# The built-in model is cut into stages by hand; an HF model is traced by torch's pipeline().
+CASES = [("fsdp2", "gpt-moe-tiny", {}), ("pipelining", "gpt-moe-tiny", {}),
+         ("pipelining", "gpt-moe-tiny", {"schedule": "gpipe", "microbatches": 4}), ("pipelining", "hf:llama", {})]
 
 
-@pytest.mark.parametrize("peer, options", CASES, ids=["fsdp2", "pipelining-1f1b", "pipelining-gpipe"])
-def test_peer_equals_the_single_process_model_and_another_rank_s_weights_are_caught(peer, options):
-    args = {"peer": peer, "model": "gpt-moe-tiny", "options": options}
+@pytest.mark.parametrize("peer, model, options", CASES, ids=["fsdp2", "pipelining-1f1b", "pipelining-gpipe", "pipelining-hf-traced"])
+def test_peer_equals_the_single_process_model_and_another_rank_s_weights_are_caught(peer, model, options):
+    args = {"peer": peer, "model": model, "options": options}
     for result in launch("peer_workers:sharded_or_staged_check", 2, args, timeout_s=120):
         assert result["ok"], result["line"]
         assert len(result["grad_diffs"]) >= 10 and max(result["grad_diffs"].values()) <= 1e-12, result["line"]

@@ -46,8 +46,21 @@ class TopKRouter(nn.Module):
         return weights, indices
 
 
+# torch's grouped matmul runs these on the CPU, eagerly (its fake kernel takes bfloat16 only, so a
+# trace takes the per-row path); float64 (the equivalence tests') takes the per-row path too.
+EXPERTS_IMPLEMENTATIONS = ("per_row", "grouped_mm")
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class Experts(nn.Module):
-    """E SwiGLU FFNs as 3-D weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """E SwiGLU FFNs as 3-D weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]. Capturable
+    and exportable (no data-dependent shapes); commfx's lift replaces it whole.
+
+    `implementation` (as HF's experts implementations): "per_row" (default: any dtype and
+    device, memory heavy) or "grouped_mm" (eager float32/16 on the CPU, the routed rows' FLOPs
+    only; elsewhere per_row). The same function; float32 results differ in rounding."""
+
+    implementation = "per_row"
 
     def __init__(self, config: GPTMoEConfig):
         super().__init__()
@@ -60,11 +73,30 @@ class Experts(nn.Module):
         n, k = indices.shape
         flat = indices.reshape(-1)
         tokens = x.repeat_interleave(k, dim=0)
-        hidden = torch.bmm(self.gate_up_proj[flat], tokens.unsqueeze(-1)).squeeze(-1)
-        gate, up = hidden.chunk(2, dim=-1)
-        out = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        if self.implementation == "grouped_mm" and x.device.type == "cpu" and x.dtype in GROUPED_MM_DTYPES \
+                and not torch.compiler.is_compiling():
+            out = self._grouped(tokens, flat)
+        else:
+            out = self._per_token(tokens, flat)
         out = out * weights.reshape(-1, 1).to(out.dtype)
         return out.view(n, k, -1).sum(dim=1)
+
+    def _grouped(self, tokens: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, each expert's rows through its weights in one grouped matmul
+        (`torch._grouped_mm`), unsorted again: the FLOPs of the routed rows only."""
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(tokens[order], self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        return torch.empty_like(out).index_copy(0, order, out)
+
+    def _per_token(self, tokens: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """Each row through its expert's weights, gathered per row (any dtype, any device; memory
+        heavy: a copy of the weights for every row)."""
+        hidden = torch.bmm(self.gate_up_proj[flat], tokens.unsqueeze(-1)).squeeze(-1)
+        gate, up = hidden.chunk(2, dim=-1)
+        return torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
 
 
 class MoEBlock(nn.Module):

@@ -53,6 +53,17 @@ class PeerUnsupported(ValueError):
     """The peer cannot express this model or option; the message names what and why."""
 
 
+def fastest_eager_experts(model: torch.nn.Module) -> None:
+    """Built-in gpt-moe experts as a user would run them eagerly: one grouped matmul over the
+    routed rows (`Experts.implementation = "grouped_mm"`) instead of the capturable per-row
+    weight gather; an HF model's are chosen by `choose_experts_implementation`. The same function."""
+    from ...models.gpt_moe import Experts
+
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.implementation = "grouped_mm"
+
+
 def layer_list(model: torch.nn.Module) -> tuple[str, int]:
     """(path, length) of the model's longest ModuleList: the repeated layers a pipeline cuts and
     FSDP wraps one by one."""

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .common import CommRecord, PeerCheck, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
+from .common import CommRecord, PeerCheck, fastest_eager_experts, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "ddp"
 TOLERANCE = 1e-10  # float64, the same sums in another order
@@ -35,6 +35,7 @@ class DDPPeer:
     def __init__(self, model: nn.Module, inputs, *, ep_size: int, lr: float, capacity_factor: float = 0.0):
         self.inputs = inputs
         self.module = copy.deepcopy(model)
+        fastest_eager_experts(self.module)
         self.ddp = DistributedDataParallel(self.module)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
 

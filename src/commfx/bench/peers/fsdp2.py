@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import CommRecord, PeerCheck, PeerUnsupported, layer_list, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
+from .common import CommRecord, PeerCheck, PeerUnsupported, fastest_eager_experts, layer_list, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
 
 NAME = "fsdp2"
 TOLERANCE = 1e-10  # float64, the ranks' gradients summed in another order
@@ -80,6 +80,8 @@ class FSDP2Peer:
 
     def __init__(self, model: nn.Module, inputs, *, ep_size: int, lr: float, capacity_factor: float = 0.0):
         self.inputs = inputs
+        model = copy.deepcopy(model)
+        fastest_eager_experts(model)
         self.local = copy.deepcopy(model)  # compute_only's unsharded copy
         self.local_optimizer = torch.optim.AdamW(self.local.parameters(), lr=lr)
         self.module = copy.deepcopy(model)

@@ -4,7 +4,8 @@ each stage's first layer, `PipelineStage`, `Schedule1F1B` or `ScheduleGPipe`): w
 instead of commfx's `pipeline_split`, and Optimus-CC's baseline (an uncompressed pipeline).
 Exact: the same function as the single-process model, checked in float64.
 
-The cut is commfx's `pipeline_split:balance=layers`: the model's layer list (the longest
+The built-in gpt-moe is cut by hand (:class:`GPTMoEStage`, so its experts run eagerly as a
+user's would); other models are traced. The cut is commfx's `pipeline_split:balance=layers`: the model's layer list (the longest
 `ModuleList`) dealt out in contiguous blocks of nearly equal size, what comes before the
 first layer in the first stage, the final norm, head and loss in the last. Every rank is one
 stage (pp = world, no data parallelism): the first stage reads the whole batch, cut into
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import CommRecord, PeerCheck, PeerUnsupported, Reference, layer_list, reference_step, relative_diff, worst_over_ranks
+from ...models.gpt_moe import GPTMoE
+from .common import CommRecord, PeerCheck, PeerUnsupported, Reference, fastest_eager_experts, layer_list, reference_step, relative_diff, worst_over_ranks
 
 NAME = "pipelining"
 WHOLE_BATCH = True  # every rank is one stage: the first reads the whole batch
@@ -50,6 +52,30 @@ def split_points(model: nn.Module, stages: int) -> dict[str, object]:
     stage_of = balance_by_count(count, stages)
     firsts = [min(layer for layer, s in stage_of.items() if s == stage) for stage in range(1, stages)]
     return {f"{path}.{layer}": SplitPoint.BEGINNING for layer in firsts}
+
+
+class GPTMoEStage(nn.Module):
+    """Stage `index` of `stages` of the built-in gpt-moe, cut by hand as torchtitan cuts its
+    models (the layers of other stages dropped, the parameters under their model names) rather
+    than traced by `pipeline()`: a trace would fix the experts' capturable per-row form, this
+    stage runs them eagerly as a user would (grouped over the routed rows)."""
+
+    def __init__(self, model: GPTMoE, index: int, stages: int):
+        super().__init__()
+        from ...passes.pipeline_split import balance_by_count
+
+        self.first, self.last = index == 0, index == stages - 1
+        stage_of = balance_by_count(len(model.layers), stages)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.layers) if stage_of[i] == index})
+        self.embed, self.pos = (model.embed, model.pos) if self.first else (None, None)
+        self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if self.last else (None, None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.embed(h) + self.pos(torch.arange(h.shape[1], device=h.device))
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.ln_f(h)) if self.last else h
 
 
 def _options(world_size: int, microbatches: int | str = 0, schedule: str = "1f1b") -> tuple[int, str]:
@@ -97,7 +123,7 @@ class PipeliningPeer:
     tolerance = TOLERANCE
 
     def __init__(self, model: nn.Module, inputs, *, ep_size: int, lr: float, capacity_factor: float = 0.0, **options):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, pipeline
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, pipeline
 
         from ...models.hf import training_forward
 
@@ -105,10 +131,14 @@ class PipeliningPeer:
         self.microbatches, schedule = _options(world, **options)
         self.ids = _ids(inputs)
         model = copy.deepcopy(model)
-        micro = self.ids[: self.ids.shape[0] // self.microbatches]
-        with training_forward(model):
-            pipe = pipeline(model, mb_args=(micro,), split_spec=split_points(model, world))
-        self.stage = pipe.build_stage(self.rank, torch.device("cpu"))
+        fastest_eager_experts(model)
+        if isinstance(model, GPTMoE):
+            self.stage = PipelineStage(GPTMoEStage(model, self.rank, world), self.rank, world, torch.device("cpu"))
+        else:
+            micro = self.ids[: self.ids.shape[0] // self.microbatches]
+            with training_forward(model):
+                pipe = pipeline(model, mb_args=(micro,), split_spec=split_points(model, world))
+            self.stage = pipe.build_stage(self.rank, torch.device("cpu"))
         self.module = self.stage.submod
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         self.schedule = kind(self.stage, n_microbatches=self.microbatches, loss_fn=_loss)
