@@ -43,12 +43,14 @@ def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7,
             schedule.step()
         memory = held_bytes(dm, optimizer)
         saved = optimizer.state_dict()
+        dm.synchronize()  # stage 3: every parameter whole until the next step
         params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
         resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
         resumed.load_state_dict(saved)
         resumed.zero_grad(set_to_none=True)
         loss_fn(dm(*local), local).backward()
         resumed.step()
+        dm.synchronize()
         results[passes] = {
             "losses": torch.stack(losses),
             "params": params,

@@ -1,5 +1,6 @@
 """shard_states: ZeRO. Each data-parallel rank keeps only its shard of the optimizer state
-(stage 1) and of the reduced gradients (stage 2) instead of a replica.
+(stage 1), of the reduced gradients (stage 2) and of the parameters (stage 3) instead of a
+replica.
 
 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", SC 2020.) The gradient buckets (`commfx.buckets`) become flat buffers cut into
@@ -15,8 +16,10 @@ gradient and state.
 The graph does not change: the pass marks the program, and the runtime
 (`runtime/state_shards.py`, `runtime/sharded_optimizer.py`) does the rest. The optimizer
 must be the sharded one: `commfx.shard_optimizer(dm, torch.optim.AdamW, lr=...)` (what
-`commfx run` does). Stage 3 (parameters sharded too, gathered around each use) is not
-built yet and is refused.
+`commfx run` does). Stage 3 keeps each bucket's parameters as one flat buffer freed between
+uses: the runtime (`runtime/param_gather.py`) all-gathers a bucket just before the first
+node of the forward or backward graph that reads it, the next one while it computes, and
+frees it after the last (FSDP's scheme, driven by the lowered graphs' order).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..plan import Plan, PlanError
 from .base import RuntimeSetting, register
 
 PASS = "shard_states"
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 
 # Passes whose work the sharded step does not handle yet -> why: refused by name, in either order
 # (check_plan), since each needs its own sharding rather than another place in the list.
@@ -44,7 +47,7 @@ REFUSED_PASSES = {
 
 @register(PASS, setting="shard_states", ensures="states sharded")
 class ShardStates(RuntimeSetting):
-    """ZeRO stage 1/2: optimizer state (and gradients) sharded over the data-parallel ranks.
+    """ZeRO stage 1/2/3: optimizer state (and gradients, and parameters) sharded over the data-parallel ranks.
 
     (Rajbhandari et al., ZeRO, SC 2020.)
     """
@@ -56,13 +59,8 @@ class ShardStates(RuntimeSetting):
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
-        if options.stage == 3:
-            raise PlanError(
-                "shard_states:stage=3 (parameters sharded and all-gathered around each use) is not built yet; "
-                "use stage=1 (optimizer state sharded) or stage=2 (and gradients)"
-            )
         if options.stage not in STAGES:
-            raise PlanError(f"shard_states:stage must be 1 or 2 (ZeRO stages), got {options.stage}")
+            raise PlanError(f"shard_states:stage must be 1, 2 or 3 (ZeRO stages), got {options.stage}")
         if options.bucket_bytes < 0:
             raise PlanError(f"shard_states:bucket_bytes must be >= 0 (0: the plan's grad_bucket_bytes), got {options.bucket_bytes}")
         for name in plan.pass_names():
@@ -83,7 +81,7 @@ class ShardStates(RuntimeSetting):
 
 def layout_notes(program: Program, stage: int, bucket_bytes: int, plan: Plan) -> list[str]:
     """What each rank holds, bucket by bucket, as `commfx dump` prints it."""
-    what = "optimizer state" if stage == 1 else "optimizer state and reduced gradients"
+    what = ("optimizer state", "optimizer state and reduced gradients", "optimizer state, reduced gradients and parameters")[stage - 1]
     sizes = {name: len(ranks[0]) for name, ranks in plan.topology.process_groups().items()}
     shards, in_graph = program.runtime.shards, set(program.runtime.reduced_in_graph)
     names, entries = [], []
@@ -95,8 +93,9 @@ def layout_notes(program: Program, stage: int, bucket_bytes: int, plan: Plan) ->
         entries.append(Entry(group, param.dtype, numel, param.element_size()))
     buckets = make_buckets(entries, bucket_bytes)
     reduce = "all-reduced, each rank steps its shard" if stage == 1 else "reduce-scattered into each rank's shard"
-    notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {bucket_bytes:,} bytes {reduce}, "
-             "then the updated shards all-gathered into the parameters"]
+    after = ("then the updated shards all-gathered into the parameters" if stage < 3 else
+             "each bucket's parameters all-gathered before its first use in forward and in backward (the next bucket prefetched), freed after its last")
+    notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {bucket_bytes:,} bytes {reduce}, {after}"]
     for index, (group, members) in enumerate(buckets):
         numel = sum(entries[i].numel for i in members)
         parts = sizes.get(group, 1)

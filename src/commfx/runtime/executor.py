@@ -6,7 +6,8 @@ Subclasses override a short, documented set of methods:
 - `on_value(node, value)`: a node's value is ready (BackwardExecutor hands gradients to
   the gradient sync here, so their all-reduce starts while backward goes on).
 ForwardExecutor settles a parameter whose update was deferred (defer_grad_sync) just before
-the first node that uses it.
+the first node that uses it; under shard_states stage 3 (`params`) every executor gathers a
+parameter bucket before its first reader and frees it after its last.
 The comm scheduler is active for the whole run, so comm ops find it.
 """
 
@@ -32,20 +33,30 @@ def is_collective(node: fx.Node) -> bool:
 
 
 class GraphExecutor(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, *, timeline: Timeline | None = None, phase: str = "forward"):
+    def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, *, timeline: Timeline | None = None, phase: str = "forward", params=None):
         super().__init__(gm, garbage_collect_values=True)
         self.scheduler = scheduler
         self.timeline = timeline
         self.phase = phase
+        self.params = params  # shard_states stage 3: a param_gather.GraphGathers, which gathers and frees parameters around their uses
 
     def run(self, *args):
         with active(self.scheduler):
-            out = super().run(*args)
+            if self.params is None:
+                out = super().run(*args)
+            else:
+                self.params.begin(args)
+                try:
+                    out = super().run(*args)
+                finally:
+                    self.params.end()
         if self.scheduler.slow_debt_s > 0:
             pay_delay(self.scheduler)  # a straggler's graph ends no sooner than its stretched work
         return out
 
     def run_node(self, node: fx.Node):
+        if self.params is not None:
+            self.params.before(node, self.env)
         collective = is_collective(node)
         if collective and self.scheduler.slow_debt_s > 0:
             pay_delay(self.scheduler)  # an emulated straggler reaches each collective late
@@ -61,6 +72,8 @@ class GraphExecutor(fx.Interpreter):
         if self.timeline is not None and node.op not in _UNTIMED and node.target is not operator.getitem:
             self.timeline.compute(node, self.phase, start, time.perf_counter(), blocked=collective)
         self.on_value(node, value)
+        if self.params is not None:
+            self.params.after(node)
         return value
 
     def call_collective(self, node: fx.Node, args, kwargs):

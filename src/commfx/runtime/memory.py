@@ -32,9 +32,10 @@ def held_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
     params = list(module.parameters())
     sync = getattr(module, "grad_sync", None)
-    shard_grads = [s.grad for s in sync.shards] if isinstance(sync, ShardedGradSync) else []
+    shards = sync.shards if isinstance(sync, ShardedGradSync) else []
+    shard_grads = [s.grad for s in shards]
     report = {
-        "parameters": count(params),
+        "parameters": count(params + [s.params for s in shards]),  # stage 3: whole buckets are freed between uses
         "gradients": count([p.grad for p in params] + shard_grads),
         "optimizer_state": count(_state_tensors(optimizer)) if optimizer is not None else 0,
     }

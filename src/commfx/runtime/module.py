@@ -97,6 +97,9 @@ class DistributedModule(torch.nn.Module):
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         # defer_grad_sync: the all-reduce runs on into the next forward once an optimizer is attached
         self.deferred = DeferredStep(self.grad_sync) if program.runtime.grad_sync == "next_forward" else None
+        if getattr(self.grad_sync, "params", None) is not None:  # shard_states stage 3: load into whole parameters, then cut shards
+            self.register_load_state_dict_pre_hook(lambda *_: self.synchronize())
+            self.register_load_state_dict_post_hook(lambda *_: self.grad_sync.params.refresh_shards())
         self.timeline: Timeline | None = None  # set to record a trace (commfx run --trace)
         # resize_tp: shard widths as runtime state, set each window by the SEMI controller
         resize = program.runtime.tp_resize
@@ -240,22 +243,29 @@ class DistributedModule(torch.nn.Module):
         return pytree.tree_unflatten(list(flat), captured.program.out_spec)
 
     def _compile(self, inputs, captured: Captured):
+        gather = getattr(captured.grad_sync, "params", None)  # shard_states stage 3: parameters gathered around each use
+        params = (lambda gm: gather.run(gm)) if gather is not None else (lambda gm: None)
+
         def forward(gm):
             if self.deferred is not None:
                 return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
-            return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline).run(*args)
+            return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline, params=params(gm)).run(*args)
 
         def backward(gm):
             def run(*args):
-                self.synchronize()  # what the forward did not use is settled before new gradients come
-                grads = BackwardExecutor(gm, self.scheduler, captured.grad_sync, timeline=self.timeline).run(*args)
+                if self.deferred is not None:
+                    self.synchronize()  # what the forward did not use is settled before new gradients come
+                grads = BackwardExecutor(gm, self.scheduler, captured.grad_sync, timeline=self.timeline, params=params(gm)).run(*args)
                 if self.straggler is not None:
                     self.straggler.end_step()  # the step is over on this rank: time it, maybe resize
                 return grads
 
             return run
 
-        return self._compile_training(captured.gm, inputs, forward=forward, backward=backward)
+        if gather is None:
+            return self._compile_training(captured.gm, inputs, forward=forward, backward=backward)
+        with gather.materialized():  # tracing reads shapes only: no gather, so a rank may lower a new shape alone
+            return self._compile_training(captured.gm, inputs, forward=forward, backward=backward)
 
     @property
     def comm_stats(self):
@@ -264,9 +274,13 @@ class DistributedModule(torch.nn.Module):
     def synchronize(self) -> None:
         """Apply every gradient still on the wire and the optimizer step it missed
         (defer_grad_sync; a no-op otherwise). state_dict() and re-placement call it; call it
-        before reading parameters or gradients outside forward and backward."""
+        before reading parameters or gradients outside forward and backward. Under
+        shard_states:stage=3 it all-gathers every parameter, whole until the next step."""
         if self.deferred is not None:
             self.deferred.settle()
+        gather = getattr(self.grad_sync, "params", None)
+        if gather is not None:
+            gather.gather_all()
 
     # -- expert placement (pack_experts) -------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The sharded optimizer of the shard_states pass (ZeRO stages 1 and 2).
+"""The sharded optimizer of the shard_states pass (ZeRO stages 1 to 3).
 
 `shard_optimizer(dm, torch.optim.AdamW, lr=...)` is to a commfx module what torch's
 `ZeroRedundancyOptimizer(params, optimizer_class=..., **defaults)` is to DDP: any torch
@@ -8,7 +8,9 @@ replicated one. Its `param_groups` hold the module's own parameters (LR schedule
 hooks see a normal optimizer); before each step their hyperparameters are copied to the
 inner optimizer, whose parameters are 1-D views of the part of each parameter this rank
 owns (no copy: stepping a view updates the parameter in place). After the step the
-owned parts are all-gathered, bucket by bucket, so every rank holds every parameter again.
+owned parts are all-gathered, bucket by bucket, so every rank holds every parameter again;
+at stage 3 the inner parameters are views of the parameter shards (`param_gather.py`) and
+nothing is gathered after the step: the next forward gathers each bucket before its use.
 
 Gradients: stage 1 reads this rank's part of each full `.grad`; stage 2 the shard of the
 reduced gradient the reduce-scatter left (`state_shards.py`). Parameters outside the
@@ -45,7 +47,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for param in group["params"]:
                 shard, slot = where.get(id(param), (None, -1))
                 lo, hi = shard.owned(slot, param.numel()) if shard is not None else (0, param.numel())
-                view = param.detach().view(-1)[lo:hi]
+                if shard is not None and shard.params is not None:  # stage 3: the shard is all this rank holds
+                    begin = shard.starts[slot] + lo - shard.range[0]
+                    view = shard.params[begin : begin + hi - lo]
+                else:
+                    view = param.detach().view(-1)[lo:hi]
                 self._parts.append((param, shard, slot, lo, hi, view))
                 if hi > lo:
                     views.append(view)
@@ -71,7 +77,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._hyperparameters_inward()
         for param, shard, slot, lo, hi, view in self._parts:
-            if view.data_ptr() != param.data_ptr() + lo * param.element_size():  # the parameter's storage was replaced
+            stage3 = shard is not None and shard.params is not None
+            if not stage3 and view.data_ptr() != param.data_ptr() + lo * param.element_size():  # the parameter's storage was replaced
                 view.set_(param.detach().untyped_storage(), param.storage_offset() + lo, (hi - lo,))
             view.grad = self._grad(param, shard, slot, lo, hi)
         try:
@@ -91,7 +98,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return shard.grad[begin : begin + hi - lo]
 
     def _gather(self) -> None:
-        """All-gather every bucket's owned parts into every rank's parameters."""
+        """All-gather every bucket's owned parts into every rank's parameters (stage 3: free
+        the stale whole buckets; the next forward gathers the stepped shards)."""
+        if self.sync.params is not None:
+            return self.sync.params.release()
         scheduler, params = self.sync.scheduler, self.sync.slots
         started = []
         for shard in self.sync.shards:

@@ -1,4 +1,4 @@
-"""Gradient buckets cut into per-rank shards (the shard_states pass, ZeRO stages 1 and 2).
+"""Gradient buckets cut into per-rank shards (the shard_states pass, ZeRO stages 1 to 3).
 
 Every gradient bucket (`commfx.buckets`) is a flat buffer of its parameters, in bucket
 order, padded to a multiple of its group's size P and cut into P equal contiguous shards;
@@ -7,7 +7,7 @@ this rank holds shard `index` of each (`BucketShard`). Stage 1 reduces gradients
 each bucket instead, so backward leaves this rank its shard of each reduced gradient
 (`BucketShard.grad`, summed over backward passes until `clear_grads`) and hands autograd
 no gradient for those parameters: the sharded optimizer (`sharded_optimizer.py`) steps from
-the shards. A reduce-scatter is one collective per bucket in the gradient class (not cut
+the shards. Stage 3 reduces as stage 2 and shards the parameters too (`param_gather.py`). A reduce-scatter is one collective per bucket in the gradient class (not cut
 into chunks, whose shards would not line up). Deferring is not supported (the pass refuses
 defer_grad_sync).
 """
@@ -21,6 +21,7 @@ import torch
 from ..buckets import owned, shard_size
 from .comm import CommScheduler
 from .grad_sync import Bucket, GradientSync, Slot
+from .param_gather import ParamGather
 
 
 @dataclass(eq=False)
@@ -34,6 +35,8 @@ class BucketShard:
     numel: int  # unpadded elements of the bucket
     grad: torch.Tensor | None = None  # stage 2: this rank's shard of the reduced gradient
     had_grad: set[int] = field(default_factory=set)  # slots that produced a gradient since clear_grads
+    full: torch.Tensor | None = None  # stage 3: the flat parameters, whose storage the parameters view (freed between uses)
+    params: torch.Tensor | None = None  # stage 3: this rank's shard of them, what the optimizer steps
 
     @property
     def size(self) -> int:
@@ -63,6 +66,8 @@ class ShardedGradSync(GradientSync):
                 offset += slots[slot].param.numel()
             self.shards.append(BucketShard(bucket, handle.size, handle.rank, starts, offset))
         self.optimizer_attached = False
+        # stage 3: parameters sharded too, gathered around each use (param_gather.py)
+        self.params = ParamGather(self.shards, [s.param for s in slots], scheduler) if stage >= 3 else None
 
     def ready(self, slot: int, grad: torch.Tensor | None) -> None:
         if self.stage >= 2 and not self.optimizer_attached:  # before anything is issued: every rank stops alike
