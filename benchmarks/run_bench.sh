@@ -81,4 +81,18 @@ timeout 1500 "$COMMFX" bench gpt-moe --proportions mixtral-8x7b --flops-per-rank
 timeout 1500 "$COMMFX" bench benchmarks/embrace_models.py:gpt_moe_words_loss --passes lift,expert_parallel,split_embedding_comm \
   --vs peer:ddp --also dense=lift,expert_parallel --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 5 --warmup 1 \
   --timeout 1400 --json "$OUT/peers_embrace_gpt_moe_words_loss_100mbit_2x1.json" | tee "$OUT/peers_embrace_100mbit_2x1.txt"
+# RESULTS.md, EmbRace against DDP on GPT-2 small's proportions (tied head, vocabulary / hidden 65.4, 12 layers)
+timeout 1500 "$COMMFX" bench benchmarks/embrace_models.py:gpt2_words_loss --passes lift,split_embedding_comm \
+  --vs peer:ddp --also dense=lift --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 5 --warmup 1 \
+  --timeout 1400 --json "$OUT/peers_embrace_gpt2_proportions_100mbit_2x1.json" | tee "$OUT/peers_embrace_gpt2_100mbit_2x1.txt"
+# RESULTS.md, Optimus-CC against torch.distributed.pipelining: pp=2 on 2 nodes x 1 rank at 100 Mbit/s, the model
+# of pipeline_quality_peer_model.json (hidden 256, byte vocabulary, 16 x 64 a step, 2 micro-batches)
+timeout 1500 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter-node 100mbit \
+  --passes "lift,pipeline_split:microbatches=2,compress_pipeline" --vs peer:pipelining \
+  --also "uncompressed=lift,pipeline_split:microbatches=2" \
+  --also "rank 16 everywhere=lift,pipeline_split:microbatches=2,compress_pipeline:rank=16;epilogue_only=false" \
+  --steps 8 --warmup 1 --batch 16 --model-arg hidden_size=256 --model-arg vocab_size=256 --timeout 1400 \
+  --json "$OUT/peers_optimus_cc_pipelining_100mbit_2x1.json" | tee "$OUT/peers_optimus_cc_pipelining_100mbit_2x1.txt"
+.venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
+  --microbatches 2 --json "$OUT/pipeline_quality_peer_model.json" | tee "$OUT/pipeline_quality_peer_model.txt"
 echo "results in $OUT"
