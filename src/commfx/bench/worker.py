@@ -91,6 +91,7 @@ class _PlanRunner(_Runner):
         from ..api import distribute
         from ..models import load_model
         from ..runtime.pipeline.module import PipelineModule
+        from ..runtime.sharded_optimizer import shard_optimizer
         from ..verify import data_share, local_batch
 
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
@@ -98,7 +99,7 @@ class _PlanRunner(_Runner):
         self.dm = distribute(model, spec.plan, self.inputs)
         self.pipelined = isinstance(self.dm, PipelineModule)
         self.scheduler = self.dm.scheduler
-        self.optimizer = torch.optim.AdamW(self.dm.parameters(), lr=config.lr)
+        self.optimizer = shard_optimizer(self.dm, torch.optim.AdamW, lr=config.lr)  # sharded under shard_states, else plain AdamW
         self.records: list = []
         self.controller = getattr(self.dm, "straggler", None)  # resize_tp's SEMI controller, if the plan has one
         if hasattr(self.dm, "attach_optimizer"):

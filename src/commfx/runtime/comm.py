@@ -224,13 +224,16 @@ class CommScheduler:
         valid after `wait`. A ring sends (P-1)/P of the full buffer to the next rank."""
         handle = self.group(group, priority)
         full = x if op == "reduce_scatter" else out
-        if handle.size == 1 or self.local_only:
-            out.copy_(x)
+        if handle.size == 1 or self.local_only:  # no network: this rank's part of x, or x in every rank's slot
+            out.view(-1, x.numel()).copy_(x) if op == "all_gather" else out.copy_(x[: out.numel()])
             return None
         payload = full.numel() * full.element_size()
         self._count(kind, handle, {handle.ranks[(handle.rank + 1) % handle.size]: (handle.size - 1) * payload // handle.size})
         if self.records is not None:
             self.records.append(CollectiveRecord(kind, group, (x.numel(),), (out.numel(),), (), x.dtype, priority))
+        if op == "reduce_scatter" and dist.get_backend(handle.pg) == "gloo":  # gloo's sends as much as an all-reduce
+            issue = lambda: _reduce_scatter_by_all_to_all(out, x, handle.pg)  # noqa: E731
+            return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
         collective = dist.reduce_scatter_tensor if op == "reduce_scatter" else dist.all_gather_into_tensor
         issue = lambda: _work_in_thread(collective(out, x, group=handle.pg, async_op=True), self.timeout_s)  # noqa: E731 - gloo's works have no future
         return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
@@ -345,6 +348,28 @@ def _work_in_thread(work, timeout_s: float) -> _Running:
     """gloo's point-to-point works have no future: wait for one on a helper thread so the
     dispatcher (which expects `get_future()`) never blocks on a peer."""
     return _Running(lambda: work.wait(timedelta(seconds=timeout_s)), name="commfx-p2p")
+
+
+class _Then:
+    """A work whose future completes once `fn` has run on the work's result."""
+
+    def __init__(self, work, fn):
+        def then(future):
+            future.value()  # re-raises the collective's error
+            fn()
+
+        self._future = work.get_future().then(then)
+
+    def get_future(self):
+        return self._future
+
+
+def _reduce_scatter_by_all_to_all(out: torch.Tensor, x: torch.Tensor, pg) -> _Then:
+    """A reduce-scatter as an all-to-all of the shards, summed here in rank order: each rank
+    sends (P-1)/P of `x`, as a ring reduce-scatter does (gloo's own sends an all-reduce's)."""
+    received = torch.empty_like(x)
+    work = dist.all_to_all_single(received, x.contiguous(), group=pg, async_op=True)
+    return _Then(work, lambda: torch.sum(received.view(-1, out.numel()), dim=0, out=out))
 
 
 # point-to-point tags of the hierarchical all-to-all's three exchanges (apart from other p2p on the group)
