@@ -95,4 +95,28 @@ timeout 1500 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter
   --json "$OUT/peers_optimus_cc_pipelining_100mbit_2x1.json" | tee "$OUT/peers_optimus_cc_pipelining_100mbit_2x1.txt"
 .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
   --microbatches 2 --json "$OUT/pipeline_quality_peer_model.json" | tee "$OUT/pipeline_quality_peer_model.txt"
+# RESULTS.md, LocMoE like for like (issue 30): every router top-1, dropless and in capacity mode with LocMoE's floor,
+# one interleaved run at 2 nodes x 1 rank, 100 Mbit/s, and one at 2 x 2, 1 Gbit/s (4 ranks on 2 cores)
+LOCMOE=(--passes lift,locality_gate,expert_parallel --vs "lift,locality_gate:gate=switch;mu=0,expert_parallel"
+  --also "hash=lift,locality_gate:gate=hash,expert_parallel" --also "grap=lift,locality_gate:gate=grap,expert_parallel"
+  --also "model f0.3=lift,locality_gate:max_remote_fraction=0.3,expert_parallel"
+  --also "model cap=lift,locality_gate,expert_parallel:capacity_factor=1.25"
+  --also "switch cap=lift,locality_gate:gate=switch;mu=0,expert_parallel:capacity_factor=1.25"
+  --also "hash cap=lift,locality_gate:gate=hash,expert_parallel:capacity_factor=1.25"
+  --also "grap cap=lift,locality_gate:gate=grap,expert_parallel:capacity_factor=1.25")
+for setup in "1 100mbit 2x1" "2 1gbit 2x2"; do
+  read -r rpn link name <<<"$setup"
+  timeout 1500 "$COMMFX" bench gpt-moe --model-arg top_k=1 "${LOCMOE[@]}" --nodes 2 --ranks-per-node "$rpn" \
+    --inter-node "$link" --steps 7 --warmup 1 --timeout 1400 \
+    --json "$OUT/locmoe_top1_${link}_${name}.json" | tee "$OUT/locmoe_top1_${link}_${name}.txt"
+done
+# its quality: 3 seeds x 300 steps on pydoc_data.topics bytes, 2 x 1; the built-in model and Qwen3-MoE proportions
+for model in gpt-moe qwen3-moe; do
+  extra=(); [ "$model" = gpt-moe ] && extra=(--plan "model+locality f0.3=lift,locality_gate:gate=model;max_remote_fraction=0.3,expert_parallel")
+  only="model+locality f0.2,hash,grap+locality f0.2"; [ "$model" = gpt-moe ] && only="$only,model+locality f0.3"
+  .venv/bin/python benchmarks/locmoe.py --model "$model" --seeds 0,1,2 --steps 300 \
+    --plan "model+locality f0.2=lift,locality_gate:gate=model;max_remote_fraction=0.2,expert_parallel" \
+    --plan "grap+locality f0.2=lift,locality_gate:gate=grap;max_remote_fraction=0.2,expert_parallel" "${extra[@]}" \
+    --only "$only" --json "$OUT/locmoe_top1_quality_${model//-/_}.json" | tee "$OUT/locmoe_top1_quality_${model//-/_}.txt"
+done
 echo "results in $OUT"
