@@ -221,17 +221,24 @@ def test_hash_and_switch_baselines():
         locality.hash_route(ids, torch.zeros(5, 2), 4)
 
 
-@pytest.mark.parametrize(
-    "top_k, options, fraction, noted",
-    [(1, "", 0.2, True), (2, "", 0.3, True), (1, ":max_remote_fraction=0.5", 0.5, False)],
-)
-def test_default_off_node_share_follows_top_k_and_dump_notes_it(top_k, options, fraction, noted):
+
+@pytest.mark.parametrize("top_k, fraction", [(1, 0.2), (2, 0.3)])
+def test_default_off_node_share_follows_top_k_and_dump_notes_it(top_k, fraction):
     model, inputs = load_model("gpt-moe-tiny", top_k=top_k)
-    plan = Plan.from_cli(f"lift,locality_gate{options},expert_parallel", world_size=4, ranks_per_node=2)
+    plan = Plan.from_cli("lift,locality_gate,expert_parallel", world_size=4, ranks_per_node=2)
     program = compile_program(model, plan, inputs)
     assert [d["max_remote_fraction"] for d in program.decisions["locality_gate"].values()] == [fraction]
     assert f"top-{top_k} on <= 2 node(s), <= {fraction:g} of tokens off-node" in render(program.gm)
-    notes = [n for n in program.notes if n.startswith("locality_gate:")]
-    assert notes == ([f"locality_gate: top-{top_k} router (1 layer): max_remote_fraction={fraction:g} by default ("
-                      + ("top-1: LocMoE table, RESULTS.md" if top_k == 1 else "top-k >= 2: as before") + "); set it to override"]
-                     if noted else [])
+    why = "top-1: LocMoE table, RESULTS.md" if top_k == 1 else "top-k >= 2: as before"
+    assert [n for n in program.notes if n.startswith("locality_gate:")] == [
+        f"locality_gate: top-{top_k} router (1 layer): max_remote_fraction={fraction:g} by default ({why}); set it to override"
+    ]
+
+
+def test_a_set_off_node_share_is_kept_and_not_noted():
+    from commfx.passes.locality_gate import LocalityGate, _default_notes
+
+    decisions = {"layers.0.moe.experts": {"gate": "model", "top_k": 1, "max_remote_fraction": 0.5}}
+    assert _default_notes(decisions, LocalityGate.Options(max_remote_fraction=0.5)) == []
+    assert _default_notes(decisions, LocalityGate.Options(gate="switch")) == []
+    assert len(_default_notes(decisions, LocalityGate.Options())) == 1
