@@ -157,3 +157,24 @@ def test_model_args_set_fields_of_an_hf_config_and_an_unknown_field_is_named():
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # the head width follows hidden_size
     with pytest.raises(ValueError, match="hf:llama's config has no hidden_sizes; --model-arg sets fields of LlamaConfig"):
         load_model("hf:llama", hidden_sizes=64)
+
+
+def test_a_saved_transformers_directory_is_a_model_spec_with_its_weights(tmp_path, capsys):
+    """A `save_pretrained` directory (what `commfx run --export` writes) loads as a model spec with
+    the saved weights, and the CLI compiles it; a directory that is not a model is named."""
+    from commfx.cli.main import main
+    from commfx.models import load_model
+
+    model, _ = build_hf_moe("mixtral", seed=3)
+    model.save_pretrained(tmp_path / "saved")
+    loaded, (ids,) = load_model(str(tmp_path / "saved"), batch=2, seq=6)
+    assert ids.shape == (2, 6) and int(ids.max()) < model.config.vocab_size
+    saved = dict(model.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in loaded.named_parameters())
+    assert main(["dump", str(tmp_path / "saved"), "--passes", "lift,expert_parallel", "--world-size", "2"]) == 0
+    dump = capsys.readouterr().out
+    assert "commfx.moe_dispatch" in dump and "[expert_parallel:" in dump, dump[-2000:]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="does not load as a transformers causal LM"):
+        load_model(str(tmp_path / "broken"))

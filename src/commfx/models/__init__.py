@@ -1,4 +1,5 @@
-"""Model specs: built-in names, `hf:<model_type>`, or `path/to/file.py:function`.
+"""Model specs: built-in names, `hf:<model_type>`, `path/to/file.py:function`, or the directory
+of a saved transformers model (`save_pretrained`'s, or `commfx run --export DIR`'s).
 
 Every spec resolves to `(model, example_inputs)` where the example inputs are the GLOBAL
 batch; the runtime splits it along dim 0 across data-parallel ranks.
@@ -35,6 +36,10 @@ def load_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
         from .hf import build_hf_moe
 
         return build_hf_moe(spec[3:], seed=seed, dtype=dtype, **kwargs)
+    if (Path(spec) / "config.json").is_file():
+        from .hf import build_hf_pretrained
+
+        return build_hf_pretrained(spec, seed=seed, dtype=dtype, **kwargs)
     if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
         if kwargs:
             given = ", ".join(f"--{k} {v}" for k, v in kwargs.items())
@@ -44,8 +49,8 @@ def load_model(spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
         return _load_from_file(spec, seed=seed, dtype=dtype)
     raise ValueError(
         f"unknown model {spec!r}: use a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
-        "'hf:<model_type>' (for example hf:mixtral), or 'path/to/file.py:function' "
-        "where the function returns (model, example_inputs)"
+        "'hf:<model_type>' (for example hf:mixtral), 'path/to/file.py:function' "
+        "where the function returns (model, example_inputs), or a saved transformers model's directory (with config.json)"
     )
 
 

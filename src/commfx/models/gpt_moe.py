@@ -57,8 +57,8 @@ class Experts(nn.Module):
     and exportable (no data-dependent shapes); commfx's lift replaces it whole.
 
     `implementation` (as HF's experts implementations): "per_row" (default: any dtype and
-    device, memory heavy) or "grouped_mm" (eager float32/16 on the CPU, the routed rows' FLOPs
-    only; elsewhere per_row). The same function; float32 results differ in rounding."""
+    device, memory heavy) or "grouped_mm" (eager float32/16 on the CPU with widths of 16-byte
+    multiples, the routed rows' FLOPs only; elsewhere per_row). The same function; float32 results differ in rounding."""
 
     implementation = "per_row"
 
@@ -73,13 +73,17 @@ class Experts(nn.Module):
         n, k = indices.shape
         flat = indices.reshape(-1)
         tokens = x.repeat_interleave(k, dim=0)
-        if self.implementation == "grouped_mm" and x.device.type == "cpu" and x.dtype in GROUPED_MM_DTYPES \
-                and not torch.compiler.is_compiling():
+        if self.implementation == "grouped_mm" and self._grouped_mm_runs(x) and not torch.compiler.is_compiling():
             out = self._grouped(tokens, flat)
         else:
             out = self._per_token(tokens, flat)
         out = out * weights.reshape(-1, 1).to(out.dtype)
         return out.view(n, k, -1).sum(dim=1)
+
+    def _grouped_mm_runs(self, x: torch.Tensor) -> bool:
+        """torch's grouped matmul takes CPU float32/16 rows whose widths are multiples of 16 bytes."""
+        widths = (self.down_proj.shape[1], self.down_proj.shape[2])  # H, I
+        return x.device.type == "cpu" and x.dtype in GROUPED_MM_DTYPES and all(w * x.element_size() % 16 == 0 for w in widths)
 
     def _grouped(self, tokens: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, each expert's rows through its weights in one grouped matmul

@@ -39,6 +39,7 @@ __all__ = [
     "HF_FAMILIES",
     "HFFamily",
     "build_hf_moe",
+    "build_hf_pretrained",
     "choose_experts_implementation",
     "hf_config",
     "is_hf_model",
@@ -262,3 +263,23 @@ def training_forward(model: torch.nn.Module):
     finally:
         for c, value in zip(configs, saved):
             c.use_cache = value
+
+
+def build_hf_pretrained(
+    directory: str, *, seed: int = 0, batch: int = 4, seq: int = 8, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A saved transformers causal LM (`save_pretrained`'s directory, e.g. what `commfx run
+    --export DIR` writes) with its trained weights, local files only, and a batch of `batch` x
+    `seq` token ids drawn from `seed`: a commfx run can start where another ended."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{directory} does not load as a transformers causal LM: {error}") from None
+    model.to(dtype)
+    model.config.dtype = dtype
+    model.train()
+    generator = torch.Generator().manual_seed(seed)
+    return model, (torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator),)
+
