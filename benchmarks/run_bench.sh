@@ -119,4 +119,17 @@ for model in gpt-moe qwen3-moe; do
     --plan "grap+locality f0.2=lift,locality_gate:gate=grap;max_remote_fraction=0.2,expert_parallel" "${extra[@]}" \
     --only "$only" --json "$OUT/locmoe_top1_quality_${model//-/_}.json" | tee "$OUT/locmoe_top1_quality_${model//-/_}.txt"
 done
+# RESULTS.md, ZeRO (issue 32): held bytes per rank at stage 3 vs replicated (dp 2 and 4), then each stage and
+# peer:fsdp2 on an MoE and a dense gpt-moe, 2 nodes x 1 rank at 1 Gbit/s
+for N in 2 4; do for P in lift lift,shard_states:stage=3 lift,expert_parallel lift,expert_parallel,shard_states:stage=3; do
+  "$COMMFX" run gpt-moe --world-size $N --steps 2 --passes $P --json "$OUT/zero_memory_dp${N}_${P//[,:=]/_}.json"
+done; done
+timeout 900 "$COMMFX" bench gpt-moe --nodes 2 --ranks-per-node 1 --inter-node 1gbit --vs lift,expert_parallel \
+  --passes lift,expert_parallel,shard_states:stage=3 --also z1=lift,expert_parallel,shard_states:stage=1 \
+  --also z2=lift,expert_parallel,shard_states:stage=2 --also fsdp=peer:fsdp2 --steps 8 --warmup 2 \
+  --json "$OUT/zero_gpt_moe_1gbit_2x1.json" | tee "$OUT/zero_gpt_moe_1gbit_2x1.txt"
+timeout 900 "$COMMFX" bench gpt-moe --model-arg num_experts=1 --model-arg top_k=1 --nodes 2 --ranks-per-node 1 \
+  --inter-node 1gbit --vs lift --passes lift,shard_states:stage=3 --also z1=lift,shard_states:stage=1 \
+  --also z2=lift,shard_states:stage=2 --also fsdp=peer:fsdp2 --steps 8 --warmup 2 \
+  --json "$OUT/zero_gpt_dense_1gbit_2x1.json" | tee "$OUT/zero_gpt_dense_1gbit_2x1.txt"
 echo "results in $OUT"
