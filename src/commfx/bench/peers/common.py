@@ -3,6 +3,7 @@ check that a peer computes the single-process model's function before it is time
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,3 +219,36 @@ def loss_and_backward(module: torch.nn.Module, called, inputs) -> torch.Tensor:
         loss = loss_fn(call(called, inputs), batch_tensors(inputs))
     loss.backward()
     return loss.detach()
+
+
+def check_data_parallel(name: str, tolerance: float, reason: str, model: torch.nn.Module, global_inputs, lr: float,
+                        dtype: torch.dtype | None, build, full=lambda t: t) -> tuple[PeerCheck, Any]:
+    """A data-parallel peer (`build(reference, inputs)` -> a runner with `.module`, `.called` and
+    `.optimizer`) on this rank's share of `global_inputs` against the single-process model on
+    the whole batch, in `dtype`: outputs, mean loss, averaged gradients and the AdamW step, each
+    tensor read through `full` (a sharded peer's gather). Collective; returns (check, runner)."""
+    import torch.distributed as dist
+
+    from ...models.hf import choose_experts_implementation, training_forward
+    from ...train import loss_fn
+    from ...verify import batch_tensors, call, local_batch
+
+    reference = copy.deepcopy(model).to(dtype) if dtype is not None else copy.deepcopy(model)
+    choose_experts_implementation(reference)
+    inputs = local_batch(global_inputs, dist.get_world_size(), dist.get_rank())
+    peer = build(reference, inputs)
+    ref = reference_step(reference, global_inputs, lr)
+    with training_forward(peer.module):
+        out = call(peer.called, inputs)
+    loss = loss_fn(out, batch_tensors(inputs))
+    loss.backward()
+    check = PeerCheck(name, tolerance, reason, step_tolerance=tolerance)
+    score_forward(check, out, loss, ref)
+    named = dict(peer.module.named_parameters())
+    check.grad_diffs = {n: relative_diff(full(p.grad), ref.grads[n]) for n, p in named.items()}
+    peer.optimizer.step()
+    check.step_diffs = {n: relative_diff(full(p), ref.stepped[n]) for n, p in named.items()}
+    check.model_step_diffs = dict(check.step_diffs)
+    worst_over_ranks(check)
+    return check, peer
+

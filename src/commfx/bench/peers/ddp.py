@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .common import CommRecord, PeerCheck, fastest_eager_experts, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
+from .common import CommRecord, PeerCheck, check_data_parallel, fastest_eager_experts, loss_and_backward
 
 NAME = "ddp"
 TOLERANCE = 1e-10  # float64, the same sums in another order
@@ -36,7 +36,7 @@ class DDPPeer:
         self.inputs = inputs
         self.module = copy.deepcopy(model)
         fastest_eager_experts(self.module)
-        self.ddp = DistributedDataParallel(self.module)
+        self.ddp = self.called = DistributedDataParallel(self.module)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
 
     def forward_backward(self) -> torch.Tensor:
@@ -78,31 +78,9 @@ def check(model: nn.Module, global_inputs, *, ep_size: int, lr: float = 1e-2, dt
           **_) -> PeerCheck:
     """DDP on this rank's share of `global_inputs` against the single-process model on the whole
     batch, in `dtype`: outputs, mean loss, averaged gradients and the AdamW step (collective)."""
-
-    from ...models.hf import choose_experts_implementation, training_forward
-    from ...train import loss_fn
-    from ...verify import batch_tensors, call, local_batch
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    reference = copy.deepcopy(model).to(dtype) if dtype is not None else copy.deepcopy(model)
-    choose_experts_implementation(reference)
-    inputs = local_batch(global_inputs, world, rank)
-    peer = DDPPeer(reference, inputs, ep_size=ep_size, lr=lr)
-    ref = reference_step(reference, global_inputs, lr)
-
-    with training_forward(peer.module):
-        out = call(peer.ddp, inputs)
-    loss = loss_fn(out, batch_tensors(inputs))
-    loss.backward()
-    check_ = PeerCheck(NAME, TOLERANCE, TOLERANCE_REASON, step_tolerance=TOLERANCE)
-    score_forward(check_, out, loss, ref)
-    named = dict(peer.module.named_parameters())
-    check_.grad_diffs = {n: relative_diff(p.grad, ref.grads[n]) for n, p in named.items()}
-    peer.optimizer.step()
-    check_.step_diffs = {n: relative_diff(p, ref.stepped[n]) for n, p in named.items()}
-    check_.model_step_diffs = dict(check_.step_diffs)
-    worst_over_ranks(check_)
-    check_.notes.append(f"the whole model on each of {world} ranks under DistributedDataParallel")
+    check_, _ = check_data_parallel(NAME, TOLERANCE, TOLERANCE_REASON, model, global_inputs, lr, dtype,
+                                    lambda reference, inputs: DDPPeer(reference, inputs, ep_size=ep_size, lr=lr))
+    check_.notes.append(f"the whole model on each of {dist.get_world_size()} ranks under DistributedDataParallel")
     return check_
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import CommRecord, PeerCheck, PeerUnsupported, fastest_eager_experts, layer_list, loss_and_backward, reference_step, relative_diff, score_forward, worst_over_ranks
+from .common import CommRecord, PeerCheck, PeerUnsupported, check_data_parallel, fastest_eager_experts, layer_list, loss_and_backward
 
 NAME = "fsdp2"
 TOLERANCE = 1e-10  # float64, the ranks' gradients summed in another order
@@ -84,7 +84,7 @@ class FSDP2Peer:
         fastest_eager_experts(model)
         self.local = copy.deepcopy(model)  # compute_only's unsharded copy
         self.local_optimizer = torch.optim.AdamW(self.local.parameters(), lr=lr)
-        self.module = copy.deepcopy(model)
+        self.module = self.called = copy.deepcopy(model)
         self.groups = shard(self.module)
         self.records = group_records(self.groups, dist.get_world_size())
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
@@ -115,30 +115,10 @@ def check(model: nn.Module, global_inputs, *, ep_size: int, lr: float = 1e-2, dt
     """FSDP2 on this rank's share of `global_inputs` against the single-process model on the
     whole batch, in `dtype`: outputs, mean loss, the full (gathered) averaged gradients and
     parameters after the AdamW step (collective)."""
-    from ...models.hf import choose_experts_implementation, training_forward
-    from ...train import loss_fn
-    from ...verify import batch_tensors, call, local_batch
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    reference = copy.deepcopy(model).to(dtype) if dtype is not None else copy.deepcopy(model)
-    choose_experts_implementation(reference)
-    inputs = local_batch(global_inputs, world, rank)
-    peer = FSDP2Peer(reference, inputs, ep_size=ep_size, lr=lr)
-    ref = reference_step(reference, global_inputs, lr)
-
-    with training_forward(peer.module):
-        out = call(peer.module, inputs)
-    loss = loss_fn(out, batch_tensors(inputs))
-    loss.backward()
-    check_ = PeerCheck(NAME, TOLERANCE, TOLERANCE_REASON, step_tolerance=TOLERANCE)
-    score_forward(check_, out, loss, ref)
-    named = dict(peer.module.named_parameters())
-    check_.grad_diffs = {n: relative_diff(p.grad.full_tensor(), ref.grads[n]) for n, p in named.items()}
-    peer.optimizer.step()
-    check_.step_diffs = {n: relative_diff(p.full_tensor(), ref.stepped[n]) for n, p in named.items()}
-    check_.model_step_diffs = dict(check_.step_diffs)
-    worst_over_ranks(check_)
-    check_.notes.append(f"fully_shard on each of {len(peer.groups) - 1} layers and the root, over {world} ranks")
+    check_, peer = check_data_parallel(NAME, TOLERANCE, TOLERANCE_REASON, model, global_inputs, lr, dtype,
+                                       lambda reference, inputs: FSDP2Peer(reference, inputs, ep_size=ep_size, lr=lr),
+                                       full=lambda sharded: sharded.full_tensor())
+    check_.notes.append(f"fully_shard on each of {len(peer.groups) - 1} layers and the root, over {dist.get_world_size()} ranks")
     return check_
 
 
