@@ -314,19 +314,23 @@ def _two_layers(model: str) -> dict:
 
 
 def sharded_or_staged_check(rank: int, world_size: int, peer: str, model: str, options: dict | None = None,
-                            perturb_rank: int | None = None) -> dict:
-    """peer `peer`'s check on `model` (4 rows); with `perturb_rank`, that rank's copy of the model
-    differs from the others' (its reference then is not the function the peer computes)."""
+                            perturb_rank: int = 1) -> list[dict]:
+    """peer `peer`'s check on `model` (4 rows), twice: as given, then with `perturb_rank`'s copy
+    of the model differing from the others' (its reference then is not the function the peer
+    computes)."""
     from commfx.bench.peers import peer_module
 
-    module, inputs = load_model(model, batch=4, **_two_layers(model))
-    if rank == perturb_rank:
-        with torch.no_grad():
-            for p in module.parameters():
-                p.add_(0.05)
-    result = peer_module(peer).check(module, inputs, ep_size=1, lr=1e-2, **(options or {}))
-    return {"ok": result.ok, "line": result.line(), "grad_diffs": result.grad_diffs, "output_diff": result.output_diff,
-            "loss_diff": result.loss_diff}
+    results = []
+    for perturbed in (False, True):
+        module, inputs = load_model(model, batch=4, **_two_layers(model))
+        if perturbed and rank == perturb_rank:
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(0.05)
+        result = peer_module(peer).check(module, inputs, ep_size=1, lr=1e-2, **(options or {}))
+        results.append({"ok": result.ok, "line": result.line(), "grad_diffs": result.grad_diffs,
+                        "output_diff": result.output_diff, "loss_diff": result.loss_diff})
+    return results
 
 
 def peer_steps(rank: int, world_size: int, peer: str, model: str, steps: int, options: dict | None = None) -> dict:
