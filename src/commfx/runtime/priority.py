@@ -91,17 +91,12 @@ class Dispatcher:
 
     def _next(self) -> Pending | None:
         """The next collective allowed on the wire, or None (caller holds the lock)."""
-        busy_above, level_busy, level = False, False, None
-        for name in sorted(self._lanes, key=lambda n: PRIORITY_CLASSES[self._class_of[n]].level):
-            if PRIORITY_CLASSES[self._class_of[name]].level != level:  # lanes of one class do not hold each other back
-                level, busy_above = PRIORITY_CLASSES[self._class_of[name]].level, busy_above or level_busy
-            queue, flying = self._lanes[name], self._in_flight[name]
-            if queue and flying is None and not (self.enforce_priority and busy_above):
-                pending = self._in_flight[name] = queue.popleft()
-                pending.t_issue = time.perf_counter()
-                return pending
-            level_busy = level_busy or bool(queue) or flying is not None
-        return None
+        name = next_lane(self._lanes, self._in_flight, self._class_of, self.enforce_priority)
+        if name is None:
+            return None
+        pending = self._in_flight[name] = self._lanes[name].popleft()
+        pending.t_issue = time.perf_counter()
+        return pending
 
     def _loop(self) -> None:
         while True:
@@ -130,6 +125,20 @@ class Dispatcher:
                 self.history.append(pending)
             self._cond.notify_all()
         pending.done.set()
+
+
+def next_lane(lanes: dict[str, deque], in_flight: dict[str, object], class_of: dict[str, str], enforce_priority: bool) -> str | None:
+    """The lane whose head may go on the wire now, or None: the rule of the module doc, as
+    a pure function of the queues, so `commfx simulate` replays the same decisions."""
+    busy_above, level_busy, level = False, False, None
+    for name in sorted(lanes, key=lambda n: PRIORITY_CLASSES[class_of[n]].level):
+        if PRIORITY_CLASSES[class_of[name]].level != level:  # lanes of one class do not hold each other back
+            level, busy_above = PRIORITY_CLASSES[class_of[name]].level, busy_above or level_busy
+        queue, flying = lanes[name], in_flight[name]
+        if queue and flying is None and not (enforce_priority and busy_above):
+            return name
+        level_busy = level_busy or bool(queue) or flying is not None
+    return None
 
 
 def _error_of(future) -> BaseException | None:

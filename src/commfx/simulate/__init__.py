@@ -1,0 +1,117 @@
+"""`commfx simulate`: project a plan onto a cluster by simulating one training step.
+
+`simulate(model_name, plan, cluster)` compiles the plan on one rank's share of the batch
+(the same passes and cost-model choices a rank makes), reads the step off the program
+(`workload`), and replays it on the cluster's device and links with the runtime's
+scheduling rules (`engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import Plan, PlanError
+from .cluster import Cluster, load_cluster, presets
+from .engine import Result, Simulation
+from .workload import build_workload
+
+__all__ = ["Cluster", "Prediction", "load_cluster", "presets", "simulate", "simulate_program", "topology_for"]
+
+UNSUPPORTED = {
+    "pipeline_split": "pipeline stages (their schedule is not simulated yet)",
+    "compress_pipeline": "pipeline stages (their schedule is not simulated yet)",
+    "defer_grad_sync": "gradients settled in the next forward",
+    "microbatch_overlap": "two micro-batches interleaved",
+    "resize_tp": "a straggler controller",
+}
+
+
+@dataclass
+class Prediction:
+    model: str
+    passes: str
+    cluster: Cluster
+    plan: Plan
+    result: Result
+    notes: list[str]
+
+    def as_dict(self) -> dict:
+        r = self.result
+        return {
+            "model": self.model, "passes": self.passes, "cluster": self.cluster.name, "nodes": self.cluster.nodes,
+            "ranks_per_node": self.cluster.ranks_per_node, "world_size": self.cluster.world_size,
+            "step_s": r.step_s, "compute_s": r.compute_s, "comm_s": r.comm_s, "exposed_comm_s": r.exposed_comm_s,
+            "collectives_per_rank": r.collectives, "inter_node_bytes_per_node": r.inter_node_bytes,
+            "intra_node_bytes_per_rank": r.intra_node_bytes, "link_utilisation": r.link_utilisation(self.cluster),
+            "peak_memory_bytes_per_rank": r.memory, "notes": self.notes,
+        }
+
+
+def topology_for(cluster: Cluster, plan: Plan) -> Plan:
+    """`plan` laid out on `cluster` (world, ranks per node), with the cluster's figures for
+    the cost models (k=auto, packing degree, embedding strategy) to choose by."""
+    device = cluster.device
+    topology = dataclasses.replace(
+        plan.topology, world_size=cluster.world_size, ranks_per_node=cluster.ranks_per_node,
+        inter_node_bandwidth=cluster.inter_node.effective_bandwidth, inter_node_latency_s=cluster.inter_node.latency_s,
+        intra_node_bandwidth=cluster.intra_node.effective_bandwidth,
+        flops_per_s=device.flops.get("bf16" if plan.precision == "bf16" else "fp32", device.flops["fp32"]) * device.compute_efficiency,
+        collective_overhead_s=cluster.collective_overhead_s,
+    )
+    topology.validate()
+    return dataclasses.replace(plan, topology=topology)
+
+
+def simulate(model_name: str, plan: Plan, cluster: Cluster, *, batch: int | None = None, seed: int = 0, model_kwargs: dict | None = None) -> Prediction:
+    """Compile `plan` for one rank of `cluster` and simulate its training step."""
+    from ..compiler.pipeline import compile_program
+    from ..models import load_model
+
+    plan = topology_for(cluster, plan)
+    for name in plan.pass_names():
+        if name in UNSUPPORTED:
+            raise PlanError(f"commfx simulate does not model {name} yet ({UNSUPPORTED[name]}); simulate the plan without it")
+    kwargs = dict(model_kwargs or {})
+    if batch:
+        kwargs["batch"] = batch
+    model, inputs = load_model(model_name, seed=seed, **kwargs)
+    dp = plan.topology.dp
+    local = _rank_share(inputs, dp)
+    program = compile_program(model, plan, local)
+    return simulate_program(model_name, program, plan, cluster)
+
+
+def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster) -> Prediction:
+    """Simulate a compiled program: its all-to-alls split and moved by the runtime's own
+    schedule pass (`overlap_collectives`: starts as early, waits as late as data allows)."""
+    from ..passes.schedule.overlap import overlap_collectives
+
+    tokens = program.tokens_per_rank or 0
+    scheduled = program.derive()
+    overlap_collectives(scheduled.gm)
+    workload = build_workload(scheduled, plan, tokens)
+    result = Simulation(workload, program, plan, cluster).run()
+    return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + workload.notes)
+
+
+def passes_text(plan: Plan) -> str:
+    """The plan's pass list as `--passes` takes it."""
+    return ",".join(s.name + (":" + ";".join(f"{k}={v}" for k, v in s.options.items()) if s.options else "") for s in plan.passes)
+
+
+def _rank_share(inputs, parts: int):
+    """Rank 0's rows of the global batch (every rank's share is the same size or smaller)."""
+    def share(t):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            rows = -(-t.shape[0] // parts)
+            return t[:rows]
+        return t
+
+    if isinstance(inputs, dict):
+        return {k: share(v) for k, v in inputs.items()}
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):
+        return tuple(share(t) for t in inputs[0]), {k: share(v) for k, v in inputs[1].items()}
+    return tuple(share(t) for t in inputs)

@@ -1,0 +1,71 @@
+"""What one collective costs on a cluster: the bytes it puts on each link and its latency.
+
+Every rank runs the same program (SPMD), so one rank's collective stands for all of its
+node's: the inter-node link of a node carries what all of the node's ranks send off-node.
+The algorithms are the usual ones (each rank's payload S, a group of P ranks):
+
+- all-to-all, pairwise: S/P to each peer; the off-node share crosses the node's link.
+- all-to-all, hierarchical: the same bytes (the duplicates it saves are not modelled).
+- all-reduce, ring: 2 (P-1)/P S through every ring edge, 2 (P-1) latency steps; one ring
+  edge per direction leaves each node, so the node's link carries 2 (P-1)/P S.
+- all-reduce, tree: 2 S through the node's link, 2 log2 P steps.
+- point-to-point: S on the one link between the two ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..plan import Topology
+from .cluster import Cluster
+
+
+@dataclass(frozen=True)
+class LinkLoad:
+    """Bytes one collective puts on this node's inter-node link (all its ranks together) and
+    on one rank's intra-node path, and its latency-bearing steps."""
+
+    inter_bytes: float
+    intra_bytes: float
+    steps: int
+
+    def seconds(self, cluster: Cluster, share: float = 1.0) -> float:
+        """Time on the wire with `share` of each link (others in flight take the rest)."""
+        inter = self.inter_bytes / (cluster.inter_node.effective_bandwidth * share) if self.inter_bytes else 0.0
+        intra = self.intra_bytes / (cluster.intra_node.effective_bandwidth * share) if self.intra_bytes else 0.0
+        return max(inter, intra)
+
+    def latency(self, cluster: Cluster) -> float:
+        link = cluster.inter_node if self.inter_bytes else cluster.intra_node
+        return cluster.collective_overhead_s + self.steps * link.latency_s
+
+
+def group_of_rank0(topology: Topology, group: str) -> list[int]:
+    """The ranks of rank 0's group called `group` (every group of a kind has the same shape)."""
+    groups = topology.process_groups()
+    if group not in groups:
+        raise ValueError(f"process group {group!r} is not in the plan (known: {', '.join(sorted(groups))})")
+    return next(g for g in groups[group] if 0 in g)
+
+
+def link_load(kind: str, payload: float, group: list[int], topology: Topology, cluster: Cluster) -> LinkLoad:
+    """`kind`: all_to_all | all_reduce | send. `payload`: bytes this rank contributes."""
+    size = len(group)
+    if size <= 1 or payload <= 0:
+        return LinkLoad(0.0, 0.0, 0)
+    node = topology.node_of(group[0])
+    remote = sum(1 for r in group if topology.node_of(r) != node)
+    local_peers = size - remote - 1
+    per_node = topology.node_size
+    if kind == "all_to_all":
+        per_peer = payload / size
+        return LinkLoad(per_peer * remote * per_node, per_peer * local_peers, 1)
+    if kind == "all_reduce":
+        if cluster.all_reduce == "tree" and remote:
+            return LinkLoad(2.0 * payload, 2.0 * payload * (size - 1) / size, 2 * math.ceil(math.log2(size)))
+        wire = 2.0 * (size - 1) / size * payload
+        return LinkLoad(wire if remote else 0.0, wire if local_peers else 0.0, 2 * (size - 1))
+    if kind == "send":
+        return LinkLoad(payload if remote else 0.0, 0.0 if remote else payload, 1)
+    raise ValueError(f"unknown collective kind {kind!r}")

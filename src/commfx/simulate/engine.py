@@ -1,0 +1,196 @@
+"""The event simulation of one rank's step: one compute stream and the comm scheduler's lanes.
+
+Compute runs the workload's items in order, each for its roofline time. A collective is
+submitted to its priority class's lane and issued by the runtime's own rule
+(`runtime.priority.next_lane`: one in flight per lane, lower classes held back while a
+higher one is busy when priority is on). An issued collective pays its latency (per-call
+overhead plus link latency per step), then shares the links with the others in flight
+(processor sharing: n on the wire each progress at 1/n). A wait blocks compute until its
+collective is done; gradients go out bucket by bucket (`buckets.make_buckets`, the
+runtime's rule) in chunks of the plan's gradient chunk, in the `grad` class. The step
+ends when the optimizer has stepped, after every collective finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..buckets import Entry, make_buckets
+from ..compiler.program import Program
+from ..plan import Plan
+from ..runtime.priority import Pending, next_lane
+from ..runtime.trace import ComputeSpan, Timeline
+from .cluster import Cluster
+from .collectives import LinkLoad, group_of_rank0, link_load
+from .workload import Comm, Workload
+
+GRAD_CLASS = "grad"
+
+
+@dataclass
+class Flight:
+    comm: Comm
+    load: LinkLoad
+    pending: Pending
+    wire_start: float = 0.0
+    remaining: float = 0.0  # seconds of wire time at a full share
+
+
+@dataclass
+class Result:
+    step_s: float
+    compute_s: float
+    comm_s: float  # time at least one collective was in flight
+    exposed_comm_s: float  # time compute waited on communication
+    inter_node_bytes: float  # this node's link, per direction
+    intra_node_bytes: float  # one rank's
+    collectives: int
+    memory: dict[str, float]
+    timeline: Timeline
+    history: list[Pending] = field(default_factory=list)
+
+    def link_utilisation(self, cluster: Cluster) -> dict[str, float]:
+        return {
+            "inter_node": self.inter_node_bytes / (self.step_s * cluster.inter_node.bandwidth) if self.step_s else 0.0,
+            "intra_node": self.intra_node_bytes / (self.step_s * cluster.intra_node.bandwidth) if self.step_s else 0.0,
+        }
+
+
+class Simulation:
+    def __init__(self, workload: Workload, program: Program, plan: Plan, cluster: Cluster):
+        self.workload, self.plan, self.cluster = workload, plan, cluster
+        self.priority = program.runtime.comm_schedule.priority
+        self.chunk_bytes = program.runtime.comm_schedule.grad_chunk_bytes
+        self.lanes: dict[str, deque] = {}
+        self.in_flight: dict[str, Flight | None] = {}
+        self.class_of: dict[str, str] = {}
+        self.wire: list[Flight] = []  # issued, latency or bytes still to go
+        self.done: dict[int, float] = {}
+        self.now = 0.0
+        self.comm_busy = 0.0
+        self.inter = self.intra = 0.0
+        self.timeline = Timeline(0)
+        self.history: list[Pending] = []
+        self.groups: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ the comm side
+
+    def submit(self, comm: Comm, at: float) -> None:
+        group = self.groups.get(comm.group) or self.groups.setdefault(comm.group, group_of_rank0(self.plan.topology, comm.group))
+        load = link_load(comm.kind, comm.payload, group, self.plan.topology, self.cluster)
+        pending = Pending(comm.label, comm.priority, comm.group, comm.tag, int(comm.payload), None, t_submit=at)
+        self.lanes.setdefault(comm.priority, deque()).append(Flight(comm, load, pending))
+        self.in_flight.setdefault(comm.priority, None)
+        self.class_of[comm.priority] = comm.priority
+        self.inter += load.inter_bytes
+        self.intra += load.intra_bytes
+        self._issue(at)
+
+    def _issue(self, at: float) -> None:
+        while (lane := next_lane(self.lanes, self.in_flight, self.class_of, self.priority)) is not None:
+            flight = self.in_flight[lane] = self.lanes[lane].popleft()
+            flight.pending.t_issue = at
+            flight.wire_start = at + flight.load.latency(self.cluster)
+            flight.remaining = flight.load.seconds(self.cluster)
+            self.wire.append(flight)
+
+    def advance(self, until: float, stop_at: int | None = None) -> None:
+        """Run the links from `now` to `until` (or until collective `stop_at` is done)."""
+        while self.now < until and not (stop_at is not None and stop_at in self.done):
+            if not self.wire:
+                self.now = until
+                return
+            sending = [f for f in self.wire if f.wire_start <= self.now]
+            share = len(sending)
+            candidates = [until] + [f.wire_start for f in self.wire if f.wire_start > self.now]
+            candidates += [self.now + f.remaining * share for f in sending]
+            step_to = min(candidates)
+            elapsed = step_to - self.now
+            for f in sending:
+                f.remaining -= elapsed / share
+            self.comm_busy += elapsed
+            self.now = step_to
+            finished = [f for f in self.wire if f.wire_start <= self.now and f.remaining <= 1e-12]
+            for f in finished:
+                self.wire.remove(f)
+                self.in_flight[f.comm.priority] = None
+                f.pending.t_done = self.now
+                self.done[f.comm.id] = self.now
+                self.history.append(f.pending)
+            if finished:
+                self._issue(self.now)
+
+    def wait(self, comm_id: int) -> None:
+        while comm_id not in self.done:
+            if not self.wire and not any(self.lanes.values()):
+                raise RuntimeError(f"collective {comm_id} was waited for but never submitted")
+            self.advance(float("inf"), stop_at=comm_id)
+
+    # ------------------------------------------------------------------ the compute side
+
+    def run(self) -> Result:
+        device, dtype = self.cluster.device, "bf16" if self.plan.precision == "bf16" else "fp32"
+        t, compute, blocked, collectives = 0.0, 0.0, 0.0, 0
+        buckets = self._buckets()
+        ready: set[str] = set()
+        next_bucket = 0
+        for item in self.workload.items:
+            if item.what == "compute":
+                if item.phase == "optimizer":
+                    start = t
+                    for comm_id in [f.comm.id for f in self.wire] + [f.comm.id for q in self.lanes.values() for f in q]:
+                        self.advance(float("inf"), stop_at=comm_id)
+                        t = max(t, self.done[comm_id])
+                    if t > start:
+                        self.timeline.spans.append(ComputeSpan("grads", "wait for gradients", "optimizer", start, t, True))
+                        blocked += t - start
+                seconds = device.op_seconds(item.flops, item.nbytes, dtype)
+                self.advance(t + seconds)
+                self.timeline.spans.append(ComputeSpan(item.name, item.label, item.phase, t, t + seconds, False))
+                t += seconds
+                compute += seconds
+            elif item.what == "start":
+                self.advance(t)
+                self.submit(item.comm, t)
+                collectives += 1
+            elif item.what == "wait":
+                self.advance(t)
+                self.wait(item.comm_id)
+                end = max(t, self.done[item.comm_id])
+                if end > t:
+                    self.timeline.spans.append(ComputeSpan(item.name, "wait", item.phase, t, end, True))
+                blocked += end - t
+                t = end
+            elif item.what == "grads":
+                ready.update(item.params)
+                self.advance(t)
+                while next_bucket < len(buckets) and all(p in ready for p in buckets[next_bucket][1]):
+                    collectives += self._submit_bucket(next_bucket, *buckets[next_bucket], t)
+                    next_bucket += 1
+        self.timeline.step(0, 0.0, t)
+        return Result(t, compute, self.comm_busy, blocked, self.inter, self.intra, collectives, self._memory(), self.timeline, self.history)
+
+    def _buckets(self) -> list[tuple[str, list[str], float]]:
+        names = list(self.workload.params)
+        entries = [Entry(g, "float", n, size) for n, size, g in self.workload.params.values()]
+        out = []
+        for group, indices in make_buckets(entries, self.plan.grad_bucket_bytes):
+            members = [names[i] for i in indices]
+            out.append((group, members, float(sum(entries[i].numel * entries[i].element_size for i in indices))))
+        return out
+
+    def _submit_bucket(self, index: int, group: str, members: list[str], nbytes: float, at: float) -> int:
+        chunk = self.chunk_bytes if self.chunk_bytes else nbytes
+        count = max(1, -(-int(nbytes) // int(chunk)))
+        for i in range(count):
+            size = min(chunk, nbytes - i * chunk)
+            comm = Comm(-(index * 10_000 + i + 1), "all_reduce", "grad_all_reduce", group, GRAD_CLASS, f"bucket {index} chunk {i + 1}/{count}", size)
+            self.submit(comm, at)
+        return count
+
+    def _memory(self) -> dict[str, float]:
+        params = sum(n * s for n, s, _ in self.workload.params.values())
+        memory = {"parameters": params, "gradients": params, "optimizer_state": 2 * params, "activations": self.workload.activation_bytes}
+        memory["total"] = sum(memory.values())
+        return memory

@@ -1,0 +1,264 @@
+"""One rank's training step as the simulator replays it: compute, collective starts and
+waits, and gradients becoming ready, read off a compiled `Program`.
+
+The forward is the distributed graph in order. Each compute node costs FLOPs and bytes
+from its traced shapes (`cost.flops`); the nodes passes made inside an MoE block have no
+traced shapes, so their rows come from the block under uniform routing (each rank sends
+T·top_k rows per layer split over k chunks; packed experts send a token once per device
+that holds any of its experts). The backward is the forward mirrored: compute twice the
+FLOPs (expert FFNs 8/3: they recompute their hidden layer), each all-to-all reversed (its
+wait in the forward is where the backward starts it, and its start where the backward
+waits), and each parameter's gradient ready once the backward passes its first use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..compiler.program import Program, module_path
+from ..cost.flops import hint, node_flops
+from ..plan import DEFAULT_CLASS, Plan
+
+FREE = {
+    "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "getitem", "unbind", "detach", "expand", "sym_size",
+    "size", "split", "chunk", "contiguous", "select", "unsqueeze", "squeeze", "flatten", "sym_size.int", "view.default",
+    "attach_meta", "detach_meta", "chunk_counts", "mul", "floordiv", "sub", "add_int",
+}
+SPLIT_PHASE = {"all_to_all_start"}
+A2A = {"all_to_all", "all_to_all_start", "embedding_all_to_all", "exchange_row_grads"}
+SMALL_COMM = {"exchange_counts", "embedding_counts"}
+ALL_REDUCE = {"all_reduce"}
+BACKWARD_FACTOR = {"expert_ffn": 8 / 3, "packed_expert_ffn": 8 / 3}
+
+
+@dataclass
+class Comm:
+    """One collective of one rank: what it moves and on which group and lane."""
+
+    id: int
+    kind: str  # all_to_all | all_reduce | send
+    label: str  # what the trace shows (the scheduler's kind: all_to_all, grad_all_reduce, ...)
+    group: str
+    priority: str
+    tag: str
+    payload: float  # bytes this rank sends
+
+
+@dataclass
+class Item:
+    """One entry of a rank's step, in the order the executor meets it."""
+
+    what: str  # compute | start | wait | grads
+    name: str
+    phase: str  # forward | backward | optimizer
+    label: str = ""
+    flops: float = 0.0
+    nbytes: float = 0.0
+    comm: Comm | None = None
+    comm_id: int = -1
+    params: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Workload:
+    items: list[Item]
+    params: dict[str, tuple[int, int, str | None]]  # name -> (numel on this rank, element size, reducing group or None)
+    activation_bytes: float  # forward outputs kept for backward (an upper bound)
+    notes: list[str]
+
+
+def _target(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    return name.split(".")[0] if name.endswith((".default", ".int", ".Tensor")) else name
+
+
+def _tensor_bytes(value) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(math.prod(hint(s) for s in value.shape) * value.element_size())
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0.0
+
+
+def _value(node) -> object:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+class _Blocks:
+    """Per MoE block: rows per chunk this rank sends and receives, its FLOPs per row."""
+
+    def __init__(self, program: Program, plan: Plan, tokens: int, dtype_bytes: int):
+        self.rows: dict[str, float] = {}
+        self.flops_per_row: dict[str, float] = {}
+        self.hidden: dict[str, int] = {}
+        self.expert_nodes: dict[fx.Node, str] = {}
+        ep = plan.topology.expert_parallel_size
+        params = dict(program.gm.named_parameters())
+        self.blocks = list(program.regions.moe_blocks)
+        for block in self.blocks:
+            gate_up, down = params.get(block.gate_up), params.get(block.down)
+            experts = block.num_experts
+            weights = (gate_up.numel() + down.numel()) / experts if gate_up is not None and down is not None else 0
+            hidden = gate_up.shape[-1] if gate_up is not None else 0
+            if block.packed is not None and ep > 1:
+                per_device = experts // ep
+                miss = math.comb(experts - per_device, block.top_k) / math.comb(experts, block.top_k)
+                rows = tokens * ep * (1 - miss)
+            else:
+                rows = tokens * block.top_k
+            self.rows[block.path] = rows / max(block.chunks, 1)
+            self.flops_per_row[block.path] = 2.0 * weights * (tokens * block.top_k / rows if rows else 1)
+            self.hidden[block.path] = hidden * dtype_bytes
+            for node in block.experts:
+                self.expert_nodes[node] = block.path
+
+    def of_tag(self, tag: str) -> str | None:
+        found = [b.path for b in self.blocks if tag.startswith(b.path)]
+        return max(found, key=len) if found else None
+
+    def of_node(self, node: fx.Node) -> str | None:
+        if node in self.expert_nodes:
+            return self.expert_nodes[node]
+        path = module_path(node) or ""
+        found = [b.path for b in self.blocks if path.startswith(b.path)]
+        return max(found, key=len) if found else None
+
+
+def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
+    """The step of one rank that sees `tokens` tokens (program compiled on that rank's batch)."""
+    dtype_bytes = 2 if plan.precision == "bf16" else 4
+    blocks = _Blocks(program, plan, tokens, dtype_bytes)
+    forward: list[Item] = []
+    started: dict[fx.Node, Comm] = {}
+    first_use: dict[str, int] = {}
+    activation = 0.0
+    notes: list[str] = []
+    counter = iter(range(1 << 30))
+    for node in program.graph.nodes:
+        if node.op == "get_attr":
+            continue
+        if node.op in ("placeholder", "output"):
+            continue
+        name = _target(node)
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                first_use.setdefault(str(arg.target), len(forward))
+        if name == "wait_tensor" and node.args and node.args[0] in started:
+            forward.append(Item("wait", node.name, "forward", comm_id=started[node.args[0]].id))
+            continue
+        comm = _comm_of(node, name, blocks, next(counter))
+        if comm is not None:
+            forward.append(Item("start", node.name, "forward", comm=comm))
+            if name in SPLIT_PHASE:
+                started[node] = comm
+            else:
+                forward.append(Item("wait", node.name, "forward", comm_id=comm.id))
+            continue
+        if name in FREE or node.op == "call_method" and name in FREE:
+            continue
+        flops, nbytes = _compute_cost(node, name, blocks)
+        if flops or nbytes:
+            forward.append(Item("compute", node.name, "forward", label=_label(node), flops=flops, nbytes=nbytes))
+            activation += _tensor_bytes(_value(node))
+    backward = _mirror(forward, counter, first_use)
+    params = _parameters(program, plan)
+    optimizer_bytes = sum(numel * size * 8 for numel, size, _ in params.values())  # AdamW: read and write p, g, m, v
+    items = forward + backward + [Item("compute", "optimizer.step", "optimizer", label="optimizer step", nbytes=optimizer_bytes)]
+    if not blocks.blocks and any(i.comm and i.comm.payload == 0 for i in items):
+        notes.append("some collectives could not be sized from the graph and count as latency only")
+    return Workload(items, params, activation, notes)
+
+
+def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int) -> Comm | None:
+    if name in A2A:
+        group, priority, tag = _comm_args(node)
+        path = blocks.of_tag(tag) if tag else blocks.of_node(node)
+        payload = blocks.rows[path] * blocks.hidden[path] if path else _tensor_bytes(_value(node.args[0]) if node.args else None)
+        return Comm(ident, "all_to_all", "all_to_all", group, priority, tag, payload)
+    if name in SMALL_COMM:
+        group = next((a for a in node.args if isinstance(a, str)), "ep")
+        return Comm(ident, "all_to_all", "all_to_all", group, DEFAULT_CLASS, name, 64.0)
+    if name in ALL_REDUCE:
+        group = next((a for a in node.args[1:] if isinstance(a, str)), "tp")
+        return Comm(ident, "all_reduce", "all_reduce", group, DEFAULT_CLASS, name, _tensor_bytes(_value(node)))
+    return None
+
+
+def _comm_args(node: fx.Node) -> tuple[str, str, str]:
+    strings = [a for a in node.args if isinstance(a, str)]
+    group = strings[0] if strings else "ep"
+    priority = strings[1] if len(strings) > 1 else DEFAULT_CLASS
+    tag = strings[2] if len(strings) > 2 else ""
+    return group, priority, tag
+
+
+def _compute_cost(node: fx.Node, name: str, blocks: _Blocks) -> tuple[float, float]:
+    value = _value(node)
+    path = blocks.of_node(node)
+    if name in ("expert_ffn", "packed_expert_ffn") and path:
+        rows = blocks.rows[path]
+        return rows * blocks.flops_per_row[path], 3 * rows * blocks.hidden[path]
+    if value is None and path and node.op == "call_function":  # a row op a pass made inside the block
+        return 0.0, 2 * blocks.rows[path] * blocks.hidden[path]
+    if not isinstance(value, (torch.Tensor, tuple, list)):
+        return 0.0, 0.0
+    inputs = sum(_tensor_bytes(_value(a)) for a in node.all_input_nodes if a.op != "get_attr")
+    weights = sum(_tensor_bytes(_value(a)) or _tensor_bytes(getattr(a, "_param", None)) for a in node.all_input_nodes if a.op == "get_attr")
+    return node_flops(node), inputs + weights + _tensor_bytes(value)
+
+
+def _label(node: fx.Node) -> str:
+    from ..runtime.trace import op_label
+
+    return op_label(node)
+
+
+def _mirror(forward: list[Item], counter, first_use: dict[str, int]) -> list[Item]:
+    """The backward: forward reversed, compute doubled, all-to-alls reversed, grads ready."""
+    ready_after: dict[int, list[str]] = {}
+    for param, index in first_use.items():
+        ready_after.setdefault(index, []).append(param)
+    reverse: dict[int, Comm] = {}
+    backward: list[Item] = []
+    for index in range(len(forward) - 1, -1, -1):
+        item = forward[index]
+        if item.what == "compute":
+            factor = BACKWARD_FACTOR.get(item.label.split(".")[-1], 2.0)
+            backward.append(Item("compute", item.name, "backward", label=item.label, flops=factor * item.flops, nbytes=2 * item.nbytes))
+        elif item.what == "wait":
+            comm = _find_comm(forward, item.comm_id)
+            if comm.kind == "all_to_all" and comm.payload > 64:
+                bw = Comm(next(counter), comm.kind, comm.label, comm.group, comm.priority, f"{comm.tag} (bw)", comm.payload)
+                reverse[comm.id] = bw
+                backward.append(Item("start", item.name, "backward", comm=bw))
+        elif item.what == "start" and item.comm.id in reverse:
+            backward.append(Item("wait", item.name, "backward", comm_id=reverse[item.comm.id].id))
+        if index in ready_after:
+            backward.append(Item("grads", f"grads@{item.name}", "backward", params=ready_after[index]))
+    if -1 in ready_after:
+        backward.append(Item("grads", "grads", "backward", params=ready_after[-1]))
+    return backward
+
+
+def _find_comm(items: list[Item], ident: int) -> Comm:
+    return next(i.comm for i in items if i.what == "start" and i.comm.id == ident)
+
+
+def _parameters(program: Program, plan: Plan) -> dict[str, tuple[int, int, str | None]]:
+    """Each parameter's numel on one rank, its element size, and the group that reduces its gradient."""
+    groups = plan.topology.process_groups()
+    size = {name: len(g[0]) for name, g in groups.items()}
+    out = {}
+    for name, param in program.gm.named_parameters():
+        shard = program.runtime.shards.get(name)
+        numel = param.numel() // (shard["parts"] if shard else 1)
+        group = shard.get("replicated_over") if shard else "dp"
+        if name in program.runtime.reduced_in_graph or not param.requires_grad or group is None or size.get(group, 1) <= 1:
+            group = None
+        out[name] = (numel, param.element_size(), group)
+    return out

@@ -1,0 +1,87 @@
+"""commfx simulate: cluster files, the event simulation's scheduling rules, the command line,
+and its predictions against the committed bench runs (no timing here: the measured figures
+come from the JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from commfx.cli.main import main
+from commfx.plan import Plan, PlanError
+from commfx.simulate import load_cluster, presets
+from commfx.simulate.engine import Simulation
+from commfx.simulate.workload import Comm, Item, Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_presets_load_and_emulated_takes_the_bench_layout():
+    assert {"emulated", "h100", "a100"} <= set(presets())
+    h100 = load_cluster("h100")
+    assert h100.ranks_per_node == 8 and h100.inter_node.bandwidth == 50e9
+    emulated = load_cluster("emulated").with_layout(4, 1, "200mbit,1ms")
+    assert emulated.world_size == 4 and emulated.inter_node.bandwidth == 25e6 and emulated.inter_node.latency_s == 1e-3
+
+
+def test_bad_cluster_files_name_the_file_and_the_field(tmp_path):
+    with pytest.raises(PlanError, match="unknown cluster 'h200'.*a100, emulated, h100"):
+        load_cluster("h200")
+    text = (ROOT / "src/commfx/clusters/h100.toml").read_text()
+    missing = tmp_path / "mine.toml"
+    missing.write_text(text.replace("memory_bandwidth = 3.35e12", ""))
+    with pytest.raises(PlanError, match=r"mine.toml: field device.memory_bandwidth is missing"):
+        load_cluster(str(missing))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace('all_reduce = "ring"', 'all_reduce = "butterfly"'))
+    with pytest.raises(PlanError, match=r"bad.toml: field collectives.all_reduce must be one of ring, tree"):
+        load_cluster(str(bad))
+
+
+def _step(priority: bool, chunk: int):
+    """A backward whose gradient all-reduce (8 chunks) is submitted just before an all-to-all."""
+    cluster = load_cluster("emulated").with_layout(2, 1, "100mbit,0ms")
+    plan = Plan.from_cli("lift", world_size=2, ranks_per_node=1)
+    a2a = Comm(1, "all_to_all", "all_to_all", "ep", "a2a", "dispatch (bw)", 2_000_000)
+    items = [
+        Item("compute", "fw", "forward", label="mm", flops=1e9),
+        Item("grads", "g", "backward", params=["w"]),
+        Item("start", "a2a", "backward", comm=a2a),
+        Item("wait", "a2a", "backward", comm_id=1),
+        Item("compute", "bw", "backward", label="mm", flops=1e9),
+        Item("compute", "step", "optimizer", label="optimizer step", nbytes=1e6),
+    ]
+    workload = Workload(items, {"w": (1 << 20, 4, "dp")}, 0.0, [])
+    program = SimpleNamespace(runtime=SimpleNamespace(comm_schedule=SimpleNamespace(priority=priority, grad_chunk_bytes=chunk)))
+    return Simulation(workload, program, plan, cluster).run()
+
+
+def test_all_to_all_pre_empts_gradient_chunks_only_with_priority():
+    """The runtime's lane rule: a chunk on the wire is not interrupted, but with priority
+    (partition_a2a) no further gradient chunk starts while the all-to-all is queued or in
+    flight; without (one unchunked bucket) it shares the link with the whole bucket."""
+    with_priority, without = _step(True, 1 << 19), _step(False, 0)
+    a2a = next(p for p in with_priority.history if p.kind == "all_to_all")
+    assert a2a.t_done < 0.85 * next(p for p in without.history if p.kind == "all_to_all").t_done
+    chunks = [p for p in with_priority.history if p.kind == "grad_all_reduce"]
+    assert len(chunks) == 8 and sum(c.t_issue < a2a.t_done for c in chunks) == 1
+    assert with_priority.step_s == pytest.approx(without.step_s, rel=0.05)  # the same bytes either way
+
+
+def test_simulate_command_line_json_and_trace(tmp_path, capsys):
+    out, trace = tmp_path / "sim.json", tmp_path / "trace.json"
+    argv = ["simulate", "gpt-moe-tiny", "--passes", "lift,expert_parallel,partition_a2a:k=2", "--cluster", "h100", "--nodes", "2",
+            "--ranks-per-node", "2", "--json", str(out), "--trace", str(trace)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "exposed communication" in printed and "peak memory per rank" in printed
+    record = json.loads(out.read_text())
+    assert record["world_size"] == 4 and record["step_s"] > 0
+    assert record["compute_s"] <= record["step_s"] and record["exposed_comm_s"] <= record["comm_s"] + 1e-12
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("args", {}).get("chunk", "").endswith("dispatch 2/2") for e in events)
+    assert main(["simulate", "gpt-moe-tiny", "--cluster", "nowhere.toml"]) == 2
+    assert "cluster file nowhere.toml does not exist" in capsys.readouterr().out
