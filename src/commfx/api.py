@@ -77,9 +77,10 @@ def distribute(
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
     program.parent = None  # the programs before each pass hold the full-size weights sharding is about to drop
     _check_same_graph(scheduler, program)
+    ranks = {name: handle.rank for name, handle in groups.items() if "/" not in name}
     if program.regions.pipeline is not None:
-        return _pipeline_module(program, plan, scheduler, groups["ep"].rank)
-    placement = shard_parameters(program, {name: handle.rank for name, handle in groups.items() if "/" not in name})
+        return _pipeline_module(program, plan, scheduler, ranks)
+    placement = shard_parameters(program, ranks)
     recapture = _recapture_for(model, program, plan, scheduler, tokens)
     return DistributedModule(program, plan, scheduler, placement, compile_training, recapture)
 
@@ -165,13 +166,14 @@ def _share_parameters(new: Program, first: Program) -> None:
             new.gm.get_submodule(owner_path)._buffers[leaf] = buffers[name]
 
 
-def _pipeline_module(program: Program, plan: Plan, scheduler: CommScheduler, ep_rank: int) -> PipelineModule:
-    """This rank's stage, with its own expert shards (expert parallelism inside the stage)."""
+def _pipeline_module(program: Program, plan: Plan, scheduler: CommScheduler, ranks: dict[str, int]) -> PipelineModule:
+    """This rank's stage, with its own expert and tensor-parallel shards (`ranks`: this
+    rank's index in each group, as `shard_parameters` takes it)."""
     stage_index = plan.topology.coordinates(scheduler.rank)[0]
     stage = program.regions.pipeline.stages[stage_index]
     shards = {t: spec for t, spec in program.runtime.shards.items() if t in stage.parameters}
     view = dataclasses.replace(program, gm=stage.gm, runtime=dataclasses.replace(program.runtime, shards=shards))
-    placement = shard_parameters(view, ep_rank)
+    placement = shard_parameters(view, ranks)
     return PipelineModule(program, plan, scheduler, placement, compile_training)
 
 

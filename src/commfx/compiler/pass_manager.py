@@ -26,11 +26,6 @@ def check_plan(plan: Plan, model: torch.nn.Module | None = None) -> Plan:
             f"tensor-parallel size {plan.topology.tp} needs the tensor_parallel pass, e.g. "
             f"--passes {_in_order((PassSpec('lift'), *[s for s in plan.passes if s.name != 'lift'], PassSpec('tensor_parallel')))}"
         )
-    if plan.topology.tp > 1 and plan.topology.pp > 1:
-        raise PlanError(
-            f"tensor parallelism (tp={plan.topology.tp}) inside pipeline stages (pp={plan.topology.pp}) is not "
-            "supported yet; use --tp with --pp 1, or --pp with --tp 1"
-        )
     for spec in plan.passes:
         if spec.name not in REGISTRY and "=" in spec.name:
             raise PlanError(

@@ -40,7 +40,11 @@ BALANCES = ("layers", "flops")
 _LAYER = re.compile(r"^(.*?)\.?(\d+)$")
 
 
-@register(PASS, ensures="pipeline split", refuses={**Pass.refuses, DEFERRED: DEFER_REFUSED["pipeline split"]})
+@register(PASS, ensures="pipeline split", refuses={
+    **Pass.refuses,
+    DEFERRED: DEFER_REFUSED["pipeline split"],
+    "resizable tensor parallel": "resize_tp's straggler controller runs in the whole-model runtime, not inside pipeline stages; use resize_tp with --pp 1",
+})
 class PipelineSplit(Pass):
     """Cut the graph into `pp` pipeline stages with named boundaries (GPipe / 1F1B).
 

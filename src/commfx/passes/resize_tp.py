@@ -36,7 +36,11 @@ MODES = ("semi", "resize", "migrate", "off")
 MIGRATIONS = ("auto", "units", "columns")
 
 
-@register(PASS, requires="tensor parallel", ensures="resizable tensor parallel", refuses={**Pass.refuses, DEFERRED: DEFER_REFUSED["resizable tensor parallel"]})
+PIPELINE_REFUSED = "its straggler controller runs in the whole-model runtime, not inside pipeline stages; use resize_tp with --pp 1"
+
+
+@register(PASS, requires="tensor parallel", ensures="resizable tensor parallel",
+          refuses={**Pass.refuses, DEFERRED: DEFER_REFUSED["resizable tensor parallel"], "pipeline split": PIPELINE_REFUSED})
 class ResizeTP(Pass):
     """Straggler-tolerant tensor parallelism: resize or migrate a slow rank's shard at run time.
 

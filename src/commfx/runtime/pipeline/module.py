@@ -304,7 +304,8 @@ class PipelineModule(torch.nn.Module):
         compressed = {name for name, _ in self.dp_compressed}
         # group None: GradientSync passes these through; the codec reduces them (_reduce_gradients)
         slots = [Slot(name, p, None if name in compressed else group(name)) for name, p in params]
-        sync = GradientSync(slots, self.scheduler, scale=self.plan.grad_scale, bucket_bytes=self.plan.grad_bucket_bytes)
+        scales = {slot.group: self.plan.grad_scale_for(slot.group) for slot in slots}  # expert gradients: 1/(dp x tp)
+        sync = GradientSync(slots, self.scheduler, scale=self.plan.grad_scale, scales=scales, bucket_bytes=self.plan.grad_bucket_bytes)
         shared_slots = [Slot(name, p, "pp_ends") for name, p in params if name in shared and not fused]
         return sync, (GradientSync(shared_slots, self.scheduler, scale=1.0) if shared_slots else None)
 
