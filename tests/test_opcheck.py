@@ -110,6 +110,10 @@ SAMPLES: dict[str, Sample] = {
     "merge_chunks": Sample(lambda: ([f64(4, H, seed=1), f64(6, H, seed=2)], i64([3, 0, 5, 2]), 2)),
     # ------------------------------------------------------------------ communication (world of one)
     "all_to_all": Sample(lambda: (f64(N, H), i64([[2, 4]]), i64([[2, 4]]), "ep", "a2a", "opcheck")),
+    "fp8_encode": Sample(lambda: (f64(N, H, grad=False), None), ("test_autograd_registration",), "returns bytes (uint8): " + NOT_DIFFERENTIABLE),
+    "fp8_decode": Sample(
+        lambda: (ops.fp8_encode(f64(5, H + 2 * K, grad=False), _meta()), f64(5, H + 2 * K), i64([[2, 3]]), i64([[2, 3]]), "ep", "a2a", "opcheck", _meta())
+    ),
     "all_to_all_start": Sample(
         lambda: (f64(N, H, grad=False), i64([[2, 4]]), i64([[2, 4]]), "ep", "a2a", "opcheck"),
         ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"), LOWERED_ONLY,

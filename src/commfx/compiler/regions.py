@@ -69,6 +69,7 @@ class MoEBlock:
     packed: PackedExchange | None = None  # pack_experts' (in place of `exchange`)
     chunks: int = 1
     gate: str | None = None  # locality_gate's router, when it replaced the model's
+    dispatch_codec: str = "rows"  # how dispatch rows cross (expert_parallel:dispatch; passes/dispatch_codec.py)
 
 
 @dataclass(eq=False)

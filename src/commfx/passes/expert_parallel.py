@@ -24,6 +24,7 @@ from ..compiler.program import Program, stamp
 from ..compiler.regions import ExpertExchange, MoEBlock
 from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, register
+from .dispatch_codec import check_codec, dispatch_all_to_all
 from .lift import find_experts_modules
 
 commfx = torch.ops.commfx
@@ -52,11 +53,15 @@ class ExpertParallel(Pass):
         # True where the caller owns full-size expert weights (torch.compile backend): the
         # graph slices this rank's experts at run time instead of the runtime re-allocating them.
         shard_in_graph: bool = False
+        # how dispatch rows cross: rows (their own dtype) or fp8 (e4m3, a scale per 128 values,
+        # DeepEP's recipe; needs --precision bf16; combine and gradients stay bf16)
+        dispatch: str = "rows"
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.capacity_factor < 0:
             raise PlanError(f"expert_parallel capacity_factor must be >= 0 (0 = dropless), got {options.capacity_factor}")
+        check_codec(plan, options.dispatch)
         if model is None:
             return
         ep = plan.topology.expert_parallel_size
@@ -91,6 +96,7 @@ class ExpertParallel(Pass):
         for block in blocks:
             if block.num_experts % ep:
                 raise PassError(f"{block.path}: {block.num_experts} experts do not divide over ep={ep}")
+            block.dispatch_codec = options.dispatch
             _distribute_block(rw, block, ep, options.capacity_factor)
             if options.shard_in_graph:
                 _slice_weights_in_graph(rw, block.experts[0], ep)
@@ -132,7 +138,10 @@ def _distribute_block(rw: Rewriter, block: MoEBlock, ep: int, capacity_factor: f
     with rw.before(ffn):
         send_counts = make(torch.ops.aten.view.default, (counts, [ep, local_experts]), "rows per (dest rank, expert)")
         recv_counts = make(commfx.exchange_counts.default, (counts, "ep", ep), "exchange token counts")
-        received = make(commfx.all_to_all.default, (rows, send_counts, recv_counts, "ep"), "dispatch all-to-all")
+        if block.dispatch_codec == "rows":
+            received = make(commfx.all_to_all.default, (rows, send_counts, recv_counts, "ep"), "dispatch all-to-all")
+        else:
+            received = dispatch_all_to_all(make, rows, send_counts, recv_counts, "ep", "a2a", "", block.dispatch_codec, "dispatch all-to-all")
         local_rows = make(commfx.group_by_expert.default, (received, recv_counts, False), "source-major -> expert-major")
         local_counts = make(torch.ops.aten.sum.dim_IntList, (recv_counts, [0]), "rows per local expert")
     ffn.args = (local_rows, local_counts, gate_up, down, activation)

@@ -37,6 +37,7 @@ from ..compiler.regions import MoEBlock, PackedExchange
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError
 from .base import Pass, PassError, register
+from .dispatch_codec import dispatch_all_to_all
 from ..cost.moe import MoERegion, packing_degree
 
 commfx = torch.ops.commfx
@@ -158,7 +159,9 @@ def _pack_block(rw: Rewriter, block: MoEBlock, ep: int, previous: fx.Node | None
         packed = make(commfx.rank_dispatch.default, (x, slots, weights, ep, local_experts, capacity_factor), "each token once per rank")
         rows, meta, row_token, send = (make(operator.getitem, (packed, i)) for i in range(4))
         recv_counts = make(commfx.exchange_counts.default, (send, "ep", ep), "exchange row counts")
-        back, exchange = build_exchange(make, rows, meta, send, recv_counts, ffn.args[2:5], ep, local_experts, path, chunks=1)
+        back, exchange = build_exchange(
+            make, rows, meta, send, recv_counts, ffn.args[2:5], ep, local_experts, path, chunks=1, codec=block.dispatch_codec
+        )
         result = make(commfx.scatter_add_tokens.default, (back, row_token, x), "sum ranks' rows into tokens")
     rw.replace(combine, result, erase=False)
     rw.erase_dead(old)
@@ -168,11 +171,14 @@ def _pack_block(rw: Rewriter, block: MoEBlock, ep: int, previous: fx.Node | None
     return indices
 
 
-def build_exchange(make, rows, meta, send, recv_counts, ffn_weights, ep: int, local_experts: int, path: str, chunks: int):
+def build_exchange(
+    make, rows, meta, send, recv_counts, ffn_weights, ep: int, local_experts: int, path: str, chunks: int, codec: str = "rows"
+):
     """dispatch all-to-alls -> local experts -> weighted sum -> combine all-to-all, in `chunks`
     pieces (each destination rank's rows cut into `chunks` runs, as `split_chunks` does, so
-    the receiver derives its chunk counts from the counts it has). Returns (the rows that came
-    back, in `rows`' order; every node made)."""
+    the receiver derives its chunk counts from the counts it has); dispatch rows cross as
+    `codec` says (dispatch_codec.py). Returns (the rows that came back, in `rows`' order;
+    every node made)."""
     made: list[fx.Node] = []
 
     def node(target, args, purpose=None):
@@ -202,8 +208,10 @@ def build_exchange(make, rows, meta, send, recv_counts, ffn_weights, ep: int, lo
     # orders a plain block): the schedule pass keeps the starts' graph order, so chunk j+1's
     # rows are on the wire while chunk j's experts run.
     received = [
-        node(commfx.all_to_all.default, (node(commfx.attach_meta.default, (rows_j, meta_j)), send_j, recv_j, "ep", "a2a", f"{path} packed dispatch{part}"),
-             f"dispatch all-to-all: token rows with their routing weights and local ids{part}")
+        dispatch_all_to_all(
+            node, node(commfx.attach_meta.default, (rows_j, meta_j)), send_j, recv_j, "ep", "a2a", f"{path} packed dispatch{part}",
+            codec, f"dispatch all-to-all: token rows with their routing weights and local ids{part}", meta=meta_j,
+        )
         for rows_j, meta_j, send_j, recv_j, part in pieces
     ]
     backs = []

@@ -32,6 +32,7 @@ from ..compiler.program import CommSchedule, Program, stamp
 from ..compiler.regions import MoEBlock
 from ..compiler.rewrite import Rewriter
 from .base import Pass, PassError, plan_micro_batches, register
+from .dispatch_codec import dispatch_all_to_all, retag
 from .pack_experts import build_exchange
 
 commfx = torch.ops.commfx
@@ -124,12 +125,12 @@ def _partition_block(rw: Rewriter, block: MoEBlock, chunks: int) -> None:
     ex, path = block.exchange, block.path
     if chunks == 1:  # nothing to split: name the collectives and give them their class
         for node, role in ((ex.received, "dispatch"), (ex.returned, "combine")):
-            node.args = (*node.args[:4], "a2a", f"{path} {role} 1/1")
+            retag(node, "a2a", f"{path} {role} 1/1")
             stamp(node, PASS, f"{role} all-to-all (priority a2a, 1 chunk)")
         return
     (ffn,) = block.experts
     _, _, gate_up, down, activation = ffn.args
-    group = ex.received.args[3]
+    group = ex.returned.args[3]
     ep, local_experts = ex.send_counts.args[1]
     make = rw.maker(ffn)
 
@@ -143,7 +144,8 @@ def _partition_block(rw: Rewriter, block: MoEBlock, chunks: int) -> None:
             send_j = make(torch.ops.aten.view.default, (make(torch.ops.aten.select.int, (send_chunks, 0, j)), [ep, local_experts]))
             recv_j = make(torch.ops.aten.select.int, (recv_chunks, 0, j))
             tag = f"{path} dispatch {j + 1}/{chunks}"
-            received.append(make(commfx.all_to_all.default, (rows_j, send_j, recv_j, group, "a2a", tag), f"dispatch all-to-all, chunk {j + 1}/{chunks} (priority a2a)"))
+            purpose = f"dispatch all-to-all, chunk {j + 1}/{chunks} (priority a2a)"
+            received.append(dispatch_all_to_all(make, rows_j, send_j, recv_j, group, "a2a", tag, block.dispatch_codec, purpose))
             sends.append(send_j)
             recvs.append(recv_j)
         returned, ffns = [], []
@@ -157,8 +159,10 @@ def _partition_block(rw: Rewriter, block: MoEBlock, chunks: int) -> None:
             returned.append(make(commfx.all_to_all.default, (back, recvs[j], sends[j], group, "a2a", tag), f"combine all-to-all, chunk {j + 1}/{chunks} (priority a2a)"))
         merged = make(commfx.merge_chunks.default, (returned, ex.counts, chunks), "rows back in dispatch order")
     old = ex.nodes()
+    # under fp8, the received rows' decode reads an all-to-all of bytes that reads an encode
+    wire = [ex.received.args[0], ex.received.args[0].args[0]] if block.dispatch_codec == "fp8" else []
     rw.replace(ex.returned, merged, erase=False)
-    rw.erase(old[0], old[1], ffn, *old[2:])
+    rw.erase(old[0], old[1], ffn, *old[2:], *wire)
     block.experts, block.exchange = ffns, None
 
 
@@ -173,7 +177,7 @@ def _partition_packed_block(rw: Rewriter, block: MoEBlock, chunks: int) -> None:
     with rw.before(packed.nodes[0]):
         back, made = build_exchange(
             rw.maker(ffn), packed.rows, packed.meta, packed.send, packed.recv_counts, ffn.args[3:6], ep,
-            block.num_experts // ep, block.path, chunks,
+            block.num_experts // ep, block.path, chunks, block.dispatch_codec,
         )
     old = list(packed.nodes)
     rw.replace(old[-1], back, erase=False)
