@@ -49,6 +49,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "gpt-moe-tiny.ep4.2x2.locality_gate.capacity.distributed",
     ),
     "test_pipeline.py::test_golden_stages_and_boundaries": ("gpt-moe.pp2.stages",),
+    "test_pipeline_tp.py::test_stages_carry_their_blocks_tp_collectives_on_the_tp_group": ("gpt-moe-tiny-2l.pp2.tp2.stages",),
 }
 
 
