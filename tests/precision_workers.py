@@ -13,12 +13,14 @@ from commfx.verify import split_batch
 def bytes_and_master_weights(rank: int, world_size: int) -> dict:
     """The scheduler's exact bytes of one step under fp32 and under bf16 (same model, same
     batch), split into token rows (floating all-to-alls) and the rest; and, under bf16, the
-    dtypes of the parameters, their gradients and the rows after an AdamW step."""
+    dtypes of the parameters, their gradients and the rows after an AdamW step; "bf16 reduce":
+    bf16 with gradients all-reduced in bf16 (Plan.grad_reduce_dtype), and the reduced gradients."""
     out = {}
-    for precision in ("fp32", "bf16"):
+    for run, precision, reduce in (("fp32", "fp32", "fp32"), ("bf16", "bf16", "fp32"), ("bf16 reduce", "bf16", "bf16")):
         model, (ids,) = load_model("gpt-moe-tiny")
         local = split_batch(ids, world_size, rank)
-        plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=world_size), precision=precision)
+        plan = Plan.from_cli("lift,expert_parallel", world_size=world_size)
+        plan = dataclasses.replace(plan, precision=precision, grad_reduce_dtype=reduce)
         dm = distribute(model, plan, (local,))
         optimizer = torch.optim.AdamW(dm.parameters(), lr=1e-2)
         before = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
@@ -31,8 +33,10 @@ def bytes_and_master_weights(rank: int, world_size: int) -> dict:
         rows = [r for r in records if r.kind == "all_to_all" and r.dtype.is_floating_point]
         stats = dm.scheduler.stats.as_dict()
         grads = {n: str(p.grad.dtype) for n, p in dm.module.named_parameters() if p.grad is not None}
+        reduced = {n: p.grad.clone() for n, p in dm.module.named_parameters() if p.grad is not None}
         optimizer.step()
-        out[precision] = {
+        out[run] = {
+            "grads": reduced,
             "a2a_bytes": stats["all_to_all"]["intra_node_bytes"] + stats["all_to_all"]["inter_node_bytes"],
             "a2a_row_dtypes": sorted({str(r.dtype) for r in rows}),
             "a2a_rows": [r.send_rows for r in rows],

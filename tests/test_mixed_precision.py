@@ -29,14 +29,35 @@ def test_an_unknown_precision_is_a_plan_error():
 
 
 def test_precision_on_the_command_line(capsys):
-    for command in ("run", "verify", "dump"):
+    for command in ("run", "verify", "dump", "bench"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
-        assert "--precision {fp32,bf16}" in capsys.readouterr().out, command
+        out = capsys.readouterr().out
+        assert "--precision {fp32,bf16}" in out and "--grad-reduce {fp32,bf16}" in out, command
     with pytest.raises(SystemExit) as exit_:
         main(["dump", "gpt-moe-tiny", "--precision", "fp16"])
     assert exit_.value.code == 2
     assert "argument --precision: invalid choice: 'fp16' (choose from 'fp32', 'bf16')" in capsys.readouterr().err
+
+
+def test_grad_reduce_dtype_is_checked_with_the_plan():
+    with pytest.raises(PlanError, match="grad_reduce_dtype must be one of fp32, bf16, got 'fp8'"):
+        dataclasses.replace(Plan.from_cli("lift", world_size=2), grad_reduce_dtype="fp8").validate()
+    with pytest.raises(PlanError, match="--grad-reduce bf16 does not apply to shard_states"):
+        dataclasses.replace(Plan.from_cli("lift,shard_states", world_size=2), grad_reduce_dtype="bf16").validate()
+    dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=2), grad_reduce_dtype="bf16").validate()
+
+
+def test_bench_sets_precision_on_commfx_plans_not_on_peers():
+    from commfx.bench.config import build_config
+
+    config = build_config(
+        "gpt-moe-tiny", "lift,expert_parallel", "peer:ddp", nodes=2, ranks_per_node=1,
+        plan_fields={"precision": "bf16", "grad_reduce_dtype": "bf16"},
+    )
+    plan, peer = config.plans
+    assert (plan.plan.precision, plan.plan.grad_reduce_dtype) == ("bf16", "bf16")
+    assert (peer.plan.precision, peer.plan.grad_reduce_dtype) == ("fp32", "fp32")
 
 
 def test_the_graph_computes_in_bf16_where_autocast_would():
@@ -106,6 +127,16 @@ def test_bf16_halves_all_to_all_bytes_and_steps_float32_masters():
         assert low["grad_dtypes"] == ["torch.float32"] and low["param_dtypes"] == ["torch.float32"]
         assert low["grad_all_reduce_bytes"] == fp32["grad_all_reduce_bytes"] > 0
         assert low["stepped"] > 0 and low["loss_finite"]
+        # --grad-reduce bf16: half the gradient all-reduce bytes, the same gradients within bf16's rounding
+        # of each rank's gradient and of the sum (R + 1 = 3 roundings, each within eps_bf16 of the largest)
+        reduce = rank["bf16 reduce"]
+        assert reduce["grad_all_reduce_bytes"] * 2 == low["grad_all_reduce_bytes"] and reduce["grad_dtypes"] == ["torch.float32"]
+        assert reduce["a2a_bytes"] == low["a2a_bytes"]
+        eps = torch.finfo(torch.bfloat16).eps
+        for name, grad in low["grads"].items():
+            diff = (reduce["grads"][name] - grad).abs().max().item()
+            assert diff <= 3 * eps * grad.abs().max().item() + 1e-12, (name, diff)
+        assert any(not torch.equal(reduce["grads"][n], g) for n, g in low["grads"].items()), "it did round"
 
 
 @pytest.mark.parametrize("passes", ["lift,tensor_parallel", "lift,tensor_parallel,resize_tp"])

@@ -236,6 +236,10 @@ class Plan:
     # and experts in bfloat16; norms, softmax, the router and the loss in float32), so
     # all-to-alls move bfloat16 rows; gradients of the float32 masters are reduced in float32.
     precision: str = "fp32"
+    # The dtype replicated gradients cross the wire in: fp32 (default), or bf16 (half the
+    # all-reduce bytes; each rank's gradient and the sum rounded to bf16, the result returned in
+    # the parameters' dtype). Not under shard_states or pipeline_split, whose syncs are their own.
+    grad_reduce_dtype: str = "fp32"
 
     @classmethod
     def from_cli(cls, passes: str, world_size: int | None = None, **topology: Any) -> "Plan":
@@ -272,6 +276,14 @@ class Plan:
             raise PlanError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r} "
                 "(bf16: float32 master weights, bfloat16 compute; --precision)"
+            )
+        if self.grad_reduce_dtype not in PRECISIONS:
+            raise PlanError(f"grad_reduce_dtype must be one of {', '.join(PRECISIONS)}, got {self.grad_reduce_dtype!r} (--grad-reduce)")
+        own_sync = [name for name in ("shard_states", "pipeline_split") if name in self.pass_names()]
+        if self.grad_reduce_dtype != "fp32" and own_sync:
+            raise PlanError(
+                f"--grad-reduce {self.grad_reduce_dtype} does not apply to {own_sync[0]}, which reduces gradients its own way; "
+                "drop --grad-reduce (fp32) or the pass"
             )
         return self
 

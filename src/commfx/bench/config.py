@@ -75,13 +75,15 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
                  link: LinkSpec | None = None, flops_per_rank: float | None = None,
                  grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None,
                  collective_timeout_s: float | None = None, tp: int = 1, slow_rank: tuple[int, float] | None = None,
-                 slow_method: str = "auto", healthy: tuple[str, ...] = ()) -> BenchConfig:
+                 slow_method: str = "auto", healthy: tuple[str, ...] = (),
+                 plan_fields: dict[str, Any] | None = None) -> BenchConfig:
     """Validate every plan against the model before any rank starts.
 
     Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
     (label, passes) pairs, all interleaved. The link and compute figures go into each
     plan's topology, where cost models (partition_a2a k=auto) read them. `slow_rank`
     (rank, factor) makes that rank a straggler in every plan but the `healthy` ones.
+    `plan_fields` (e.g. precision) are set on every commfx plan; peers run as they are.
     """
     from ..models import load_model
     from .straggler import check_request
@@ -106,6 +108,8 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
             plan = dataclasses.replace(plan, grad_bucket_bytes=grad_bucket_bytes)
         if collective_timeout_s:
             plan = dataclasses.replace(plan, collective_timeout_s=collective_timeout_s)
+        if plan_fields and not peer:
+            plan = dataclasses.replace(plan, **plan_fields)
         return PlanSpec(label, text, plan, peer)
 
     specs = [spec("plan", passes)]

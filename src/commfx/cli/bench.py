@@ -43,6 +43,11 @@ def add_parser(subparsers) -> None:
                         help="fixed cost per collective the cost models assume (default 20e-6; see a --trace)")
     parser.add_argument("--grad-bucket-bytes", type=positive_int, default=None,
                         help="gradient all-reduce bucket size for every plan (default: the plan's, 1 MiB)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="every commfx plan's precision: bf16 keeps float32 master weights, computes in bfloat16 and moves "
+                             "bfloat16 all-to-all rows (peers run as they are)")
+    parser.add_argument("--grad-reduce", choices=("fp32", "bf16"), default="fp32",
+                        help="the dtype every commfx plan all-reduces gradients in (default fp32)")
     parser.add_argument("--nodes", type=positive_int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=positive_int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
@@ -165,6 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
         slow_method=args.slow_method, healthy=tuple(args.healthy),
+        plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce},
     )
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))

@@ -47,6 +47,10 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
         help="fp32 (default), or bf16: float32 master weights, bfloat16 compute (matmuls, attention, experts; "
         "norms, softmax, router and loss in float32), all-to-alls in bfloat16, gradients reduced in float32",
     )
+    parser.add_argument(
+        "--grad-reduce", choices=PRECISIONS, default="fp32",
+        help="the dtype gradients are all-reduced in: fp32 (default), or bf16 (half the bytes; the result in the parameters' dtype)",
+    )
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -60,7 +64,7 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 def _plan(args) -> Plan:
     plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, pp=args.pp, tp=args.tp, ranks_per_node=args.ranks_per_node)
-    return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision)
+    return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision, grad_reduce_dtype=args.grad_reduce)
 
 
 def cmd_passes(args) -> int:

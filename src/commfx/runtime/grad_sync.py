@@ -38,6 +38,7 @@ from .priority import Pending
 # would otherwise wait for them behind every other bucket of the FIFO.
 NEXT_PRIORITY = "grad_next"
 URGENT_SHARE = 0.5
+WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradients' own dtype
 
 
 @dataclass
@@ -86,6 +87,7 @@ class GradientSync:
         bucket_bytes: int = 1 << 20,
         chunk_bytes: int = 0,  # 0: a bucket is one collective
         priority: str = "grad",
+        reduce_dtype: str = "fp32",  # the dtype on the wire (Plan.grad_reduce_dtype)
     ):
         self.slots = slots
         self.scheduler = scheduler
@@ -93,6 +95,7 @@ class GradientSync:
         self.scales = scales or {}
         self.chunk_bytes = chunk_bytes
         self.priority = priority
+        self.wire_dtype = WIRE_DTYPES[reduce_dtype]
         self.buckets = _make_buckets(slots, bucket_bytes)
         self._bucket_of = {slot: bucket for bucket in self.buckets for slot in bucket.slots}
         self._next = 0
@@ -168,6 +171,9 @@ class GradientSync:
     def _reduced(self, flight: InFlight) -> dict[int, torch.Tensor]:
         for pending in flight.pending:
             self.scheduler.wait(pending)
+        some = self.slots[next(iter(flight.offsets))].param if flight.offsets else None
+        if some is not None and flight.flat.dtype != some.dtype:  # reduced in the wire dtype: back to the parameters'
+            flight.flat = flight.flat.to(some.dtype)
         scale = self.scales.get(flight.group, self.scale)
         if scale != 1.0:
             flight.flat.mul_(scale)
@@ -182,6 +188,8 @@ class GradientSync:
             grad = bucket.grads.get(slot)
             pieces.append(grad.reshape(-1) if grad is not None else torch.zeros_like(self.slots[slot].param).reshape(-1))
         bucket.flat = torch.cat(pieces)
+        if self.wire_dtype is not None and bucket.flat.is_floating_point():
+            bucket.flat = bucket.flat.to(self.wire_dtype)
         element = bucket.flat.element_size()
         step = max(1, self.chunk_bytes // element) if self.chunk_bytes else bucket.flat.numel()
         chunks = bucket.flat.split(step)

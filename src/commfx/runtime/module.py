@@ -412,4 +412,5 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
         scales=scales,
         bucket_bytes=bucket_bytes,
         chunk_bytes=schedule.grad_chunk_bytes,
+        **({"reduce_dtype": plan.grad_reduce_dtype} if plan.grad_reduce_dtype != "fp32" else {}),
     )
