@@ -17,6 +17,8 @@ from commfx.simulate.engine import Simulation
 from commfx.simulate.workload import Comm, Item, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
+# What the emulated preset achieves on the committed Lina runs (issue 34 asks for 15% and 10%).
+STEP_TOLERANCE, RATIO_TOLERANCE = 0.10, 0.10
 
 
 def test_presets_load_and_emulated_takes_the_bench_layout():
@@ -85,3 +87,36 @@ def test_simulate_command_line_json_and_trace(tmp_path, capsys):
     assert any(e.get("args", {}).get("chunk", "").endswith("dispatch 2/2") for e in events)
     assert main(["simulate", "gpt-moe-tiny", "--cluster", "nowhere.toml"]) == 2
     assert "cluster file nowhere.toml does not exist" in capsys.readouterr().out
+
+
+def _validated(json_name: str, labels: list[str] | None = None):
+    from commfx.simulate.validate import validate
+
+    comparisons, _ = validate(ROOT / "benchmarks" / json_name, labels=labels)
+    return {c.label: c for c in comparisons}
+
+
+def test_predicts_a_committed_run():
+    """Lina's plan (packing + partition + priority) on the Mixtral-proportioned model, 2 x 1
+    at 152 Mbit/s: predicted against the median the committed run measured."""
+    (c,) = _validated("peers_lina_mixtral_proportions_2x1.json", labels=["plan"]).values()
+    assert abs(c.step_error) <= STEP_TOLERANCE, (c.predicted_s, c.measured_s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("json_name", ["peers_lina_gpt_moe_100mbit_2x1.json", "peers_lina_mixtral_proportions_2x1.json"])
+def test_predicts_committed_runs_and_their_ratios(json_name):
+    """Every commfx plan of the run (Lina's and naive expert parallelism), and the ratio
+    between them."""
+    found = _validated(json_name)
+    assert set(found) == {"plan", "naive"}
+    for c in found.values():
+        assert abs(c.step_error) <= STEP_TOLERANCE, (c.label, c.predicted_s, c.measured_s)
+        assert abs(c.ratio_error) <= RATIO_TOLERANCE, (c.label, c.predicted_ratio, c.measured_ratio)
+
+
+@pytest.mark.slow
+def test_readme_simulate_example_runs():
+    import runpy
+
+    runpy.run_path(str(ROOT / "examples" / "simulate_plan.py"), run_name="__main__")
