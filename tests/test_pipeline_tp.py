@@ -76,6 +76,8 @@ def test_refused_pairings_say_why():
         check_plan(Plan.from_cli("lift,tensor_parallel,pipeline_split,resize_tp", world_size=4, pp=2, tp=2))
     with pytest.raises(PlanError, match=r"microbatch_overlap does not work with pipeline_split yet"):
         check_plan(Plan.from_cli("lift,expert_parallel,tensor_parallel,pipeline_split,microbatch_overlap", world_size=4, pp=2, tp=2))
+    with pytest.raises(PlanError, match=r"pipeline_split does not work with split_embedding_comm yet: .*use it with --pp 1"):
+        check_plan(Plan.from_cli("lift,split_embedding_comm,tensor_parallel,pipeline_split", world_size=4, pp=2, tp=2))
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ _LAYER = re.compile(r"^(.*?)\.?(\d+)$")
     **Pass.refuses,
     DEFERRED: DEFER_REFUSED["pipeline split"],
     "resizable tensor parallel": "resize_tp's straggler controller runs in the whole-model runtime, not inside pipeline stages; use resize_tp with --pp 1",
+    "embedding comm": "split_embedding_comm's exchange spans every rank, but only the first and last stages hold embeddings and head; use it with --pp 1",
 })
 class PipelineSplit(Pass):
     """Cut the graph into `pp` pipeline stages with named boundaries (GPipe / 1F1B).

@@ -40,7 +40,11 @@ SHARD_SPEC = {"dim": 0, "group": SHARD_GROUP, "replicated_over": SHARD_REPLICAS}
 EMBED_PRIORITY = "a2a"
 
 
-@register(PASS, rewrites=("embeddings", "lm_heads"), requires="embeddings lifted", ensures="embedding comm")
+PIPELINE_REFUSED = "its embedding exchange spans every rank, but only the first and last pipeline stages hold embeddings and head; use it with --pp 1"
+
+
+@register(PASS, rewrites=("embeddings", "lm_heads"), requires="embeddings lifted", ensures="embedding comm",
+          refuses={**Pass.refuses, "pipeline split": PIPELINE_REFUSED})
 class SplitEmbeddingComm(Pass):
     """Sparse embedding communication per table: row-sharded all-to-all, sparse pairs, or dense.
 
