@@ -6,37 +6,48 @@ import torch
 
 import commfx
 from commfx.api import distribute
+from commfx.batches import pipeline_step
 from commfx.checkpoint.gather import gather_full
+from commfx.checkpoint.state import packed_layers
 from commfx.models import load_model
 from commfx.plan import Plan
+from commfx.runtime.pipeline.module import PipelineModule
+from commfx.runtime.sharded_optimizer import shard_optimizer
 from commfx.train import loss_fn
 from commfx.verify import data_share, local_batch
 
 
-def _module(model: str, passes: str, rank: int, world_size: int, ep: int = 0, seed: int = 5):
-    net = load_model(model, seed=seed, batch=4, dtype=torch.float64)[0]
-    inputs = load_model(model, seed=5, batch=4, dtype=torch.float64)[1]  # the same batch whatever the weights
-    plan = Plan.from_cli(passes, world_size=world_size, ep=ep)
+def _module(model: str, passes: str, rank: int, world_size: int, ep: int = 0, seed: int = 5, tp: int = 1, pp: int = 1):
+    batch = {} if ".py:" in model else {"batch": 4}  # a model file brings its own batch
+    net = load_model(model, seed=seed, dtype=torch.float64, **batch)[0]
+    inputs = load_model(model, seed=5, dtype=torch.float64, **batch)[1]  # the same batch whatever the weights
+    plan = Plan.from_cli(passes, world_size=world_size, ep=ep, tp=tp, pp=pp)
     local = local_batch(inputs, *data_share(plan, rank))
     dm = distribute(net, plan, local)
-    optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
-    dm.attach_optimizer(optimizer)
+    optimizer = shard_optimizer(dm, torch.optim.AdamW, lr=3e-3)
+    if not isinstance(dm, PipelineModule):
+        dm.attach_optimizer(optimizer)
     return dm, optimizer, local
 
 
 def _train(dm, optimizer, local, steps: int) -> list[float]:
+    """The mean loss of each step over the ranks that have one (a pipeline's last stage)."""
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(dm(*local), local)
-        loss.backward()
+        if isinstance(dm, PipelineModule):
+            loss = pipeline_step(dm, local, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs)).loss
+        else:
+            loss = loss_fn(dm(*local), local)
+            loss.backward()
         optimizer.step()
-        losses.append(sum(dm.scheduler.all_gather_object(loss.item())) / dm.plan.topology.world_size)
+        values = [v for v in dm.scheduler.all_gather_object(None if loss is None else loss.item()) if v is not None]
+        losses.append(sum(values) / len(values))
     return losses
 
 
 def _placements(dm) -> dict:
-    return {op: layer.slot_of.tolist() for op, layer in dm.placements.layers.items()}
+    return {op: layer.slot_of.tolist() for op, layer in packed_layers(dm).items()}
 
 
 def save_and_resume(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, save_at: int) -> dict:
@@ -57,9 +68,10 @@ def save_and_resume(rank: int, world_size: int, root: str, model: str, passes: s
     return {"first": first, "second": second, "moved": [[d.moved for d in ds] for ds in dm.placement_log]}
 
 
-def train_and_save(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, save_at: int, ep: int = 0) -> dict:
-    """Train, saving after `save_at` steps; losses of every step and the final full state."""
-    dm, optimizer, local = _module(model, passes, rank, world_size, ep=ep)
+def train_and_save(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, save_at: int, **layout) -> dict:
+    """Train, saving after `save_at` steps; losses of every step and the final full state.
+    `layout`: ep, tp, pp."""
+    dm, optimizer, local = _module(model, passes, rank, world_size, **layout)
     losses = _train(dm, optimizer, local, save_at)
     commfx.save(dm, optimizer, root, step=save_at)
     at_save = gather_full(dm, optimizer)
@@ -67,9 +79,9 @@ def train_and_save(rank: int, world_size: int, root: str, model: str, passes: st
     return {"losses": losses, "at_save": at_save, "state": gather_full(dm, optimizer), "placements": _placements(dm)}
 
 
-def load_and_train(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, ep: int = 0, save_as: str = "") -> dict:
+def load_and_train(rank: int, world_size: int, root: str, model: str, passes: str, steps: int, save_as: str = "", **layout) -> dict:
     """Load the checkpoint at this layout and train `steps` more (then save to `save_as`)."""
-    dm, optimizer, local = _module(model, passes, rank, world_size, ep=ep, seed=99)
+    dm, optimizer, local = _module(model, passes, rank, world_size, seed=99, **layout)
     info = commfx.load(dm, optimizer, root)
     loaded = gather_full(dm, optimizer)
     losses = _train(dm, optimizer, local, steps)
@@ -78,9 +90,9 @@ def load_and_train(rank: int, world_size: int, root: str, model: str, passes: st
     return {"losses": losses, "loaded": loaded, "state": gather_full(dm, optimizer), "notes": info["notes"], "placements": _placements(dm)}
 
 
-def load_refused(rank: int, world_size: int, root: str, model: str, passes: str) -> str:
+def load_refused(rank: int, world_size: int, root: str, model: str, passes: str, **layout) -> str:
     """The error `commfx.load` raises for this checkpoint here ('' if it loads)."""
-    dm, optimizer, _ = _module(model, passes, rank, world_size)
+    dm, optimizer, _ = _module(model, passes, rank, world_size, **layout)
     try:
         commfx.load(dm, optimizer, root)
     except commfx.CheckpointError as error:

@@ -216,17 +216,108 @@ def test_an_exported_hf_model_loads_in_transformers_with_the_trained_weights(tmp
             assert torch.equal(model(r["batch"][0]).logits, r["logits"].logits)
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_readme_torchrun_recipe_saves_resumes_and_exports(tmp_path):
-    """examples/checkpoint_resume.py as the README runs it: 2 steps saved, then resumed from
-    step 2 to 4 with an export that transformers loads."""
+    """examples/checkpoint_resume.py as the README runs it, as small as it goes: 2 steps
+    saved, then resumed from step 2 for one more step with an export in the layout
+    from_pretrained reads (test_an_exported_hf_model_... loads one in transformers)."""
     from test_examples import losses, torchrun
-    from transformers import AutoModelForCausalLM
 
     ck, hf = tmp_path / "ck", tmp_path / "hf"
     first = torchrun("checkpoint_resume.py", "--steps", "2", "--checkpoint-dir", str(ck))
     assert len(losses(first)) == 2 and (ck / "step-000002" / store.MANIFEST).exists(), first
-    second = torchrun("checkpoint_resume.py", "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "--export", str(hf))
-    assert "step 3/4" in second and "step 1/4" not in second, second
-    assert AutoModelForCausalLM.from_pretrained(hf).config.num_local_experts == 4
+    second = torchrun("checkpoint_resume.py", "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "--export", str(hf))
+    assert "step 3/3" in second and "step 1/3" not in second and "step 2/3" not in second, second
+    assert json.loads((hf / "config.json").read_text())["num_local_experts"] == 4 and list(hf.glob("*.safetensors")), second
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _saved_chunks(checkpoint: Path, fqn: str) -> int:
+    """How many chunks of `fqn` the checkpoint's files hold (a replicated tensor: one)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sum(1 for index in FileSystemReader(checkpoint).read_metadata().storage_data if index.fqn == fqn)
+
+
+TIED = str(ROOT / "tests" / "model_files" / "tied_pipeline.py") + ":build"
+
+
+@pytest.mark.distributed
+def test_pipeline_stages_reshard_from_two_stages_to_one(tmp_path):
+    """pp 2 -> 1 on a model whose head is tied to its embedding (held by both stages, saved
+    once under its model-level name; the pp=1 plan without pipeline_split): each stage's
+    parameters and AdamW moments load bit for bit, and the losses continue as the 2-stage run's."""
+    two = _launch("train_and_save", 2, root=str(tmp_path), model=TIED, passes="lift,pipeline_split", steps=4, save_at=2, pp=2)[0]
+    saved = tmp_path / "step-000002"
+    assert _saved_chunks(saved, "model/embed.weight") == 1 and _saved_chunks(saved, "optimizer/embed.weight/exp_avg") == 1
+    assert "model/head.weight" not in json.loads((saved / store.MANIFEST).read_text())["tensors"]
+    one = _launch("load_and_train", 1, root=str(tmp_path), model=TIED, passes="lift", steps=2)[0]
+    assert "resharded: world_size 2 -> 1, pp 2 -> 1" in one["notes"], one["notes"]
+    assert _max_diff(two["at_save"], one["loaded"]) == 0
+    for a, b in zip(two["losses"][2:], one["losses"]):
+        assert abs(a - b) <= 1e-12, (two["losses"], one["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pipeline_stages_reshard_from_one_stage_to_two(tmp_path):
+    """pp 1 -> 2: a checkpoint of the unsplit model loads into each stage's share, the tied
+    weight into both, bit for bit, and the losses continue as the 1-rank run's."""
+    one = _launch("train_and_save", 1, root=str(tmp_path), model=TIED, passes="lift", steps=4, save_at=2)[0]
+    two = _launch("load_and_train", 2, root=str(tmp_path), model=TIED, passes="lift,pipeline_split", steps=2, pp=2)[0]
+    assert "resharded: world_size 1 -> 2, pp 1 -> 2" in two["notes"], two["notes"]
+    assert _max_diff(one["at_save"], two["loaded"]) == 0
+    for a, b in zip(one["losses"][2:], two["losses"]):
+        assert abs(a - b) <= 1e-12, (one["losses"], two["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tensor_parallel_reshards_from_two_ranks_to_one_and_back(tmp_path):
+    """tp 2 -> 1 -> 2 (world 2 -> 1 -> 2; the tp=1 plan without tensor_parallel): every
+    head and moment loads bit for bit, and the losses continue as the tp=2 run's."""
+    tp_passes = "lift,tensor_parallel"
+    two = _launch("train_and_save", 2, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=tp_passes, steps=5, save_at=2, tp=2)[0]
+    one = _launch("load_and_train", 1, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes="lift", steps=2, save_as=str(tmp_path / "b"))[0]
+    assert any("tp 2 -> 1" in n for n in one["notes"]), one["notes"]
+    assert _max_diff(two["at_save"], one["loaded"]) == 0
+    back = _launch("load_and_train", 2, root=str(tmp_path / "b"), model="gpt-moe-tiny", passes=tp_passes, steps=1, tp=2)[0]
+    assert _max_diff(one["state"], back["loaded"]) == 0
+    for a, b in zip(two["losses"][2:], one["losses"] + back["losses"]):
+        assert abs(a - b) <= 1e-12, (two["losses"], one["losses"], back["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compress_pipeline_state_resumes_at_its_layout_and_is_refused_at_another(tmp_path):
+    """compress_pipeline's error feedback and PowerSGD Q are saved per stage: resumed at
+    pp=2 the losses continue bit for bit; at pp=1 the checkpoint is refused naming it."""
+    passes = "lift,pipeline_split,compress_pipeline:rank=2;epilogue_only=false"
+    two = _launch("train_and_save", 2, root=str(tmp_path), model=TIED, passes=passes, steps=4, save_at=2, pp=2)[0]
+    again = _launch("load_and_train", 2, root=str(tmp_path), model=TIED, passes=passes, steps=2, pp=2)[0]
+    assert again["losses"] == two["losses"][2:], (two["losses"], again["losses"])
+    refused = _launch("load_refused", 1, root=str(tmp_path), model=TIED, passes="lift")[0]
+    assert "compress_pipeline state saved per layout" in refused and "pp 2 -> 1" in refused, refused
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sharded_optimizer_state_reshards_to_a_replicated_plan_and_another_stage(tmp_path):
+    """shard_states: ZeRO-3 on 2 ranks (small buckets, so ranges cut parameters mid-row)
+    -> a replicated plan on 1 rank -> ZeRO-1 on 2 ranks with other buckets: each rank's
+    flat moment shards are chunks of the model-level moments, so every parameter and moment
+    loads bit for bit and the losses continue as the first run's."""
+    ep = "lift,expert_parallel"
+    zero3, zero1 = f"{ep},shard_states:stage=3;bucket_bytes=2048", f"{ep},shard_states:stage=1;bucket_bytes=1000"
+    first = _launch("train_and_save", 2, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=zero3, steps=5, save_at=2)[0]
+    one = _launch("load_and_train", 1, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=ep, steps=2, save_as=str(tmp_path / "b"))[0]
+    assert _max_diff(first["at_save"], one["loaded"]) == 0
+    assert any(k.startswith("optimizer/") and k.endswith("exp_avg_sq") for k in one["loaded"])
+    back = _launch("load_and_train", 2, root=str(tmp_path / "b"), model="gpt-moe-tiny", passes=zero1, steps=1)[0]
+    assert _max_diff(one["state"], back["loaded"]) == 0
+    for a, b in zip(first["losses"][2:], one["losses"] + back["losses"]):
+        assert abs(a - b) <= 1e-12, (first["losses"], one["losses"], back["losses"])

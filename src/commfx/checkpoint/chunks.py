@@ -106,3 +106,58 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _find(self.state_dict, index)
         return found if found is not None else super().lookup_tensor(index)
+
+
+def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of the fewest boxes covering elements [lo, hi) of a row-major tensor
+    of `shape`, in order; each box is contiguous in that order (a flat range of a ZeRO
+    shard, which is no box itself, is at most 2 * dims - 1 of them)."""
+    if hi <= lo:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    first, last = lo // inner, (hi - 1) // inner
+    if lo % inner == 0 and hi % inner == 0:
+        return [((first, *[0] * (len(shape) - 1)), (last - first + 1, *shape[1:]))]
+    out = []
+    if first == last:
+        return [((first, *o), (1, *s)) for o, s in boxes(shape[1:], lo - first * inner, hi - first * inner)]
+    head_end = (first + 1) * inner
+    if lo % inner:
+        out += [((first, *o), (1, *s)) for o, s in boxes(shape[1:], lo - first * inner, inner)]
+    else:
+        head_end = first * inner
+    tail_start = last * inner if hi % inner else hi
+    if tail_start > head_end:
+        out += boxes(shape, head_end, tail_start)
+    if hi % inner:
+        out += [((last, *o), (1, *s)) for o, s in boxes(shape[1:], 0, hi - last * inner)]
+    return out
+
+
+def flat_chunks(flat: torch.Tensor, shape: tuple[int, ...], lo: int, sharding=None) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Pieces (offsets in the full tensor, view of `flat`) of `flat`, which holds elements
+    [lo, lo + len) of a local tensor of `shape`; `sharding` (dim, indices, full) says which
+    entries of the full tensor's dim the local tensor's are (None: the local is the full)."""
+    pieces = []
+    strides = torch.empty(shape, device="meta").stride() if shape else ()
+    for offsets, sizes in boxes(tuple(shape), lo, lo + flat.numel()):
+        start = sum(o * s for o, s in zip(offsets, strides)) - lo
+        count = 1
+        for s in sizes:
+            count *= s
+        view = flat[start : start + count].view(sizes)
+        if sharding is None:
+            pieces.append((offsets, view))
+            continue
+        dim, indices, _ = sharding
+        for local, index, length in runs(indices):
+            a, b = max(local, offsets[dim]), min(local + length, offsets[dim] + sizes[dim])
+            if a < b:
+                where = list(offsets)
+                where[dim] = index + a - local
+                pieces.append((tuple(where), view.narrow(dim, a - offsets[dim], b - a)))
+    return pieces

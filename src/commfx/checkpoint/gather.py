@@ -7,41 +7,37 @@ from __future__ import annotations
 
 import torch
 
-from .state import layout_of, named_tensors, optimizer_state
+from .state import model_state, optimizer_values
 
 
 def gather_full(dm, optimizer: torch.optim.Optimizer | None = None, *, to_rank: int | None = 0) -> dict[str, torch.Tensor]:
     """name -> full tensor (parameters and buffers; with `optimizer`, also
-    `optimizer/<name>/<key>` for its tensor state). Collective; the result is on `to_rank`
-    (every rank with None), an empty dict elsewhere."""
-    layout = layout_of(dm)
-    mine = {}
-    for name, tensor in named_tensors(dm).items():
-        sharding = layout.get(name)
-        mine[name] = (tensor.detach().clone(), None if sharding is None else (sharding.dim, sharding.indices, sharding.full))
+    `optimizer/<name>/<key>` for its tensor state), from what each rank would save.
+    Collective; the result is on `to_rank` (every rank with None), an empty dict elsewhere."""
+    if hasattr(dm, "synchronize"):
+        dm.synchronize()
+    values = {name.removeprefix("model/"): value for name, value in model_state(dm).items()}
     if optimizer is not None:
-        for fqn, value in optimizer_state(dm, optimizer).items():
-            if hasattr(value, "pieces"):
-                name = fqn.split("/", 1)[1].rpartition("/")[0]
-                sharding = layout[name]
-                state = optimizer.state[dm.module.get_parameter(name)][fqn.rpartition("/")[2]]
-                mine[fqn] = (state.detach().clone(), (sharding.dim, sharding.indices, sharding.full))
-            elif isinstance(value, torch.Tensor):
-                mine[fqn] = (value.detach().clone(), None)
+        values.update(optimizer_values(dm, optimizer))
+    mine = {}
+    for name, value in values.items():
+        if hasattr(value, "pieces"):
+            mine[name] = (tuple(value.size()), [(offsets, piece.clone()) for offsets, piece in value.pieces])
+        elif isinstance(value, torch.Tensor):
+            mine[name] = (None, value.detach().clone())
     everyone = dm.scheduler.all_gather_object(mine)
     if to_rank is not None and dm.scheduler.rank != to_rank:
         return {}
     full = {}
-    for name, (tensor, sharding) in everyone[0].items():
-        if sharding is None:
-            full[name] = tensor
+    for name in dict.fromkeys(n for rank_state in everyone for n in rank_state):  # pipeline stages hold different tensors
+        held = [rank_state[name] for rank_state in everyone if name in rank_state]
+        size, first = held[0]
+        if size is None:
+            full[name] = first
             continue
-        dim, _, size = sharding
-        shape = list(tensor.shape)
-        shape[dim] = size
-        out = tensor.new_zeros(shape)
-        for rank_state in everyone:
-            piece, (_, indices, _) = rank_state[name]
-            out.index_copy_(dim, torch.tensor(indices), piece)
+        out = first[0][1].new_zeros(size)
+        for _, pieces in held:
+            for offsets, piece in pieces:
+                out[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
         full[name] = out
     return full

@@ -1,12 +1,13 @@
 """`commfx.save` and `commfx.load`: a module, its optimizer and commfx's runtime state
 through `torch.distributed.checkpoint`, atomically, and back at the same or another layout.
 
-Two forms. The model form (every DistributedModule without resize_tp) saves each tensor
-under its model-level name (`state.py`), so it loads at another world, data-parallel or
-expert-parallel size, packed or not. The rank form (pipeline stages, resize_tp, whose
-shard widths and codec state belong to one rank) saves each rank's own state_dict and
-optimizer state_dict; it loads only at the layout that saved it, and any other is refused
-by name. Both are collectives: every rank calls them at the same point.
+Two forms. The model form (every module but resize_tp's) saves each
+tensor under its model-level name (`state.py`), so it loads at another world,
+data-parallel, expert-parallel, tensor-parallel or pipeline size, packed or not; state
+that belongs to one layout rides beside it rank by rank (`per_layout.py`). The rank form
+(resize_tp, whose shard widths belong to one rank) saves each rank's own
+state_dict and optimizer state_dict; it loads only at the layout that saved it, and any
+other is refused by name. Both are collectives: every rank calls them at the same point.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from . import per_layout
 from . import state as st
 from . import store
-from ..runtime.sharded_optimizer import ShardedOptimizer
 from .chunks import LoadPlanner, SavePlanner
 from .state import CheckpointError
 
@@ -40,10 +41,6 @@ def _unpack(data: bytes):
 
 def rank_form_reason(dm, optimizer=None) -> str | None:
     """Why `dm` is saved rank by rank (not resharded), or None for the model form."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return "shard_states (each rank holds only its shard of the optimizer state)"
-    if not hasattr(dm, "placements"):
-        return "pipeline stages (their codec state and stage parameters belong to one rank)"
     if getattr(dm, "straggler", None) is not None:
         return "resize_tp (shard widths and migrated units are runtime state of one rank)"
     return None
@@ -73,7 +70,8 @@ def save(dm, optimizer: torch.optim.Optimizer, path, *, step: int | None = None)
     start = time.perf_counter()
     root, rank = Path(path), dm.scheduler.rank
     step = _default_step(optimizer) if step is None else step
-    dm.synchronize()  # gradients still on the wire (defer_grad_sync) and the step they owe
+    if hasattr(dm, "synchronize"):
+        dm.synchronize()  # gradients still on the wire (defer_grad_sync) and the step they owe
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         store.clear_partials(root)
@@ -82,10 +80,13 @@ def save(dm, optimizer: torch.optim.Optimizer, path, *, step: int | None = None)
     reason = rank_form_reason(dm, optimizer)
     if reason is None:
         values.update(st.model_state(dm))
-        values.update(st.optimizer_state(dm, optimizer))
+        values.update(st.optimizer_values(dm, optimizer))
         values[st.PARAM_GROUPS] = _pack(st.param_groups(dm, optimizer))
         values[st.RUNTIME] = _pack(st.runtime_state(dm))
         tensors = st.full_shapes(dm)
+        pipeline = per_layout.pipeline_state(dm)
+        if pipeline is not None:
+            values[_rank_key(rank, "pipeline")] = _pack(pipeline)
     else:
         values[_rank_key(rank, "module")] = _pack(dm.state_dict())
         values[_rank_key(rank, "optimizer")] = _pack(optimizer.state_dict())
@@ -96,7 +97,7 @@ def save(dm, optimizer: torch.optim.Optimizer, path, *, step: int | None = None)
     final = root / store.step_name(step)
     if rank == 0:
         manifest = {"step": step, "form": "rank" if reason else "model", "rank_form_reason": reason, "layout": layout(dm),
-                    "tensors": tensors,
+                    "per_layout": per_layout.per_layout_specs(dm.plan), "tensors": tensors,
                     "save_seconds": round(time.perf_counter() - start, 4)}
         store.finish(root, step, manifest)
     dm.scheduler.barrier()
@@ -130,6 +131,9 @@ def load(dm, optimizer: torch.optim.Optimizer | None, path) -> dict:
         objects.update({_rank_key(rank, "module"): b"", _rank_key(rank, "optimizer"): b""})
     else:
         objects.update({st.RUNTIME: b"", **({st.PARAM_GROUPS: b""} if optimizer is not None else {})})
+        pipeline_key = _rank_key(rank, "pipeline")
+        if pipeline_key in saved and per_layout.pipeline_state(dm) is not None and per_layout.same_layout(manifest["layout"], layout(dm)):
+            objects[pipeline_key] = b""
     dcp.load(objects, storage_reader=reader, planner=DefaultLoadPlanner())
     if manifest["form"] == "rank":
         dm.load_state_dict(_unpack(objects[_rank_key(rank, "module")]))
@@ -137,10 +141,17 @@ def load(dm, optimizer: torch.optim.Optimizer | None, path) -> dict:
             optimizer.load_state_dict(_unpack(objects[_rank_key(rank, "optimizer")]))
     else:
         notes += st.restore_runtime(dm, _unpack(objects[st.RUNTIME]))  # placements first: they decide the chunks
+        if objects.get(pipeline_key):
+            per_layout.restore_pipeline_state(dm, _unpack(objects[pipeline_key]))
+        gather = getattr(getattr(dm, "grad_sync", None), "params", None)  # shard_states:stage=3
+        if gather is not None:
+            gather.gather_all()  # load into whole parameters, then cut this rank's shards
         values = st.model_state(dm)
         if optimizer is not None:
-            values.update(st.optimizer_state(dm, optimizer, saved))
+            values.update(st.optimizer_values(dm, optimizer, saved))
         dcp.load(values, storage_reader=FileSystemReader(checkpoint), planner=LoadPlanner())
+        if gather is not None:
+            gather.refresh_shards()
         if optimizer is not None:
             st.restore_param_groups(dm, optimizer, _unpack(objects[st.PARAM_GROUPS]), str(checkpoint / store.MANIFEST))
             _restore_objects(dm, optimizer, values)
@@ -169,11 +180,12 @@ def _check_fits(dm, optimizer, manifest: dict, checkpoint: Path) -> list[str]:
     """Refuse a checkpoint of another model, plan or (rank form) layout; list what reshards."""
     file = checkpoint / store.MANIFEST
     saved, here = manifest["layout"], layout(dm)
-    if saved["passes"] != here["passes"]:
+    per_layout.refuse_layout_change(manifest, here, per_layout.per_layout_specs(dm.plan), file)
+    if per_layout.stateful_passes(saved["passes"]) != per_layout.stateful_passes(here["passes"]):
         raise CheckpointError(
             f"{file} was saved by a plan with passes {','.join(saved['passes'])}; this run's are {','.join(here['passes'])}. "
             "A checkpoint carries its passes' runtime state (placements, error feedback): resume with the same passes "
-            "(options and world/ep sizes may change)"
+            f"(options, world/ep/tp/pp sizes and the layout passes {', '.join(per_layout.LAYOUT_PASSES)} may change)"
         )
     reason = rank_form_reason(dm, optimizer)
     if manifest["form"] == "rank" or reason:
@@ -199,7 +211,7 @@ def _check_fits(dm, optimizer, manifest: dict, checkpoint: Path) -> list[str]:
             f"different: {', '.join(differ[:3])}" if differ else "",
         ]))
         raise CheckpointError(f"{file} holds another model ({detail}); load it into the model (and dtype) it was saved from")
-    changed = [f"{k} {saved[k]} -> {here[k]}" for k in ("world_size", "dp", "ep", "tp") if saved[k] != here[k]]
+    changed = [f"{k} {saved[k]} -> {here[k]}" for k in per_layout.LAYOUT_KEYS if saved[k] != here[k]]
     return [f"resharded: {', '.join(changed)}"] if changed else []
 
 

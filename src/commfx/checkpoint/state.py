@@ -7,6 +7,9 @@ are: a block of experts, a packed layer's experts in slot order, a tensor-parall
 heads). Each optimizer state tensor shaped like its parameter is chunked the same way
 (`optimizer/<name>/<key>`); scalar state (Adam's step) is saved as is. A module loads
 whatever chunks its own layout needs, which is what makes the checkpoint reshardable.
+A pipeline stage's graph module holds its parameters under the model's names (a stage is
+cut from the captured model's graph), so a stage saves and loads the subset it holds; a
+weight two stages hold (a tied embedding) is one replicated tensor, written once.
 
 Runtime state that is the same on every rank (expert placements with routing statistics
 summed over ranks, optimizer steps) is one object; what belongs to one rank (its RNG
@@ -47,12 +50,20 @@ def named_tensors(dm) -> dict[str, torch.Tensor]:
     return {name: t for name, t in tensors.items()}
 
 
+def packed_layers(dm) -> dict:
+    """op id -> placement of each packed layer (pack_experts; none in a pipeline stage)."""
+    placements = getattr(dm, "placements", None)
+    return placements.layers if placements is not None else {}
+
+
 def layout_of(dm) -> dict[str, Sharding]:
     """Every sharded tensor's entries held here, from the shard specs, this rank's placement
     and (pack_experts) which expert each slot holds now."""
-    packed = {target: layer for layer in dm.placements.layers.values() for target in layer.weights}
+    packed = {target: layer for layer in packed_layers(dm).values() for target in layer.weights}
     out = {}
     for target, spec in dm.program.runtime.shards.items():
+        if target not in dm.placement:
+            continue  # another pipeline stage's
         local = dm.module.get_parameter(target).shape[spec["dim"]]
         where = dm.placement[target]
         if isinstance(where, dict):  # tensor_parallel: units of a (outer, units, inner) dim
@@ -68,15 +79,19 @@ def layout_of(dm) -> dict[str, Sharding]:
 
 
 def full_shapes(dm) -> dict[str, tuple[list[int], str]]:
-    """name -> (the model's full shape, dtype) of every tensor: what identifies the model."""
+    """name -> (the model's full shape, dtype) of every tensor of every rank (pipeline stages
+    hold different ones): what identifies the model. Collective."""
     layout = layout_of(dm)
-    out = {}
+    mine = {}
     for name, tensor in named_tensors(dm).items():
         shape = list(tensor.shape)
         if name in layout:
             shape[layout[name].dim] = layout[name].full
-        out[name] = (shape, str(tensor.dtype).removeprefix("torch."))
-    return out
+        mine[name] = (shape, str(tensor.dtype).removeprefix("torch."))
+    out = {}
+    for held in dm.scheduler.all_gather_object(mine):
+        out.update(held)
+    return dict(sorted(out.items()))
 
 
 def _view(tensor: torch.Tensor, sharding: Sharding | None):
@@ -121,6 +136,17 @@ def optimizer_state(dm, optimizer: torch.optim.Optimizer, saved: dict | None = N
     return out
 
 
+def optimizer_values(dm, optimizer: torch.optim.Optimizer, saved: dict | None = None) -> dict:
+    """`optimizer_state`, or for shard_states' sharded optimizer its flat shards as chunks (zero.py)."""
+    from ..runtime.sharded_optimizer import ShardedOptimizer
+
+    if isinstance(optimizer, ShardedOptimizer):
+        from .zero import sharded_optimizer_state  # imports this module
+
+        return sharded_optimizer_state(dm, optimizer, saved)
+    return optimizer_state(dm, optimizer, saved)
+
+
 def _created_state(param: torch.Tensor, name: str, saved: dict) -> dict:
     """Zero state of the shapes and dtypes the checkpoint has for `name`."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -135,14 +161,25 @@ def _created_state(param: torch.Tensor, name: str, saved: dict) -> dict:
 
 
 def param_groups(dm, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each group's settings (lr, betas, ...) and its parameters' names."""
+    """Each group's settings (lr, betas, ...) and its parameters' names, over every rank (a
+    pipeline stage's optimizer holds its stage's parameters). Collective."""
     names = {id(p): n for n, p in dm.module.named_parameters()}
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    mine = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    everyone = dm.scheduler.all_gather_object(mine)
+    if len({len(groups) for groups in everyone}) > 1:
+        raise CheckpointError("the ranks' optimizers have different numbers of parameter groups; build them alike on every rank")
+    merged = [dict(group, params=list(group["params"])) for group in everyone[0]]
+    for groups in everyone[1:]:
+        for group, theirs in zip(merged, groups):
+            group["params"] += [n for n in theirs["params"] if n not in group["params"]]
+    return merged
 
 
 def restore_param_groups(dm, optimizer: torch.optim.Optimizer, saved: list[dict], where: str) -> None:
+    """Each group's saved settings back; this rank's groups must hold parameters of the
+    matching saved groups (all of them, on every rank together). Collective."""
     mine = param_groups(dm, optimizer)
-    if [g["params"] for g in mine] != [g["params"] for g in saved]:
+    if [sorted(g["params"]) for g in mine] != [sorted(g["params"]) for g in saved]:
         raise CheckpointError(
             f"{where}: the optimizer was saved with {len(saved)} parameter group(s) of other parameters than this one's "
             f"{len(mine)}; build the optimizer's groups as the saved run did"
@@ -155,14 +192,14 @@ def runtime_state(dm) -> dict:
     """What is the same on every rank: expert placements (routing statistics summed over
     ranks, which is all a re-placement reads of them) and the optimizer steps counted."""
     layers = {}
-    for op_id, layer in sorted(dm.placements.layers.items()):
+    for op_id, layer in sorted(packed_layers(dm).items()):
         total = RoutingStats(layer.num_experts)
         for stats in dm.scheduler.all_gather_object(layer.stats.state_dict()):
             part = RoutingStats(layer.num_experts)
             part.load_state_dict(stats)
             total.merge(part)
         layers[op_id] = {"ranks": layer.ranks, "slot_of": layer.slot_of.tolist(), "replacements": layer.replacements, "stats": total.state_dict()}
-    return {"expert_placement": layers, "optimizer_steps": dm.optimizer_steps}
+    return {"expert_placement": layers, "optimizer_steps": getattr(dm, "optimizer_steps", 0)}
 
 
 def restore_runtime(dm, state: dict) -> list[str]:
@@ -170,9 +207,10 @@ def restore_runtime(dm, state: dict) -> list[str]:
     sums them over ranks). A layer saved on another number of ranks gets a placement solved
     from its statistics for this one, starting from its saved slots. Returns what changed."""
     notes = []
-    dm.optimizer_steps = int(state["optimizer_steps"])
+    if hasattr(dm, "optimizer_steps"):
+        dm.optimizer_steps = int(state["optimizer_steps"])
     for op_id, saved in state["expert_placement"].items():
-        layer = dm.placements.layers.get(op_id)
+        layer = packed_layers(dm).get(op_id)
         if layer is None:
             continue  # saved by a plan that packed this layer; here its experts are in expert order
         stats = RoutingStats(layer.num_experts)
