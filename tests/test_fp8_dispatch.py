@@ -99,3 +99,15 @@ def test_fp8_dispatch_against_bf16_dispatch(passes):
         assert abs(fp8["loss"] - bf16["loss"]) < 0.01 * abs(bf16["loss"])
         for name, grad in bf16["grads"].items():
             assert (fp8["grads"][name] - grad).abs().max() <= 0.1 * grad.abs().max() + 1e-6, name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_verify_passes_with_fp8_dispatch():
+    """verify's one-process reference quantises the same rows alike (the codec is per row)."""
+    from commfx.verify import VerifyCase, verify
+
+    plans = ["lift,expert_parallel:dispatch=fp8", "lift,expert_parallel:dispatch=fp8,pack_experts,partition_a2a:k=2"]
+    cases = [VerifyCase("gpt-moe-tiny", dataclasses.replace(Plan.from_cli(p, world_size=2), precision="bf16")) for p in plans]
+    for report in verify(cases, 2, timeout_s=300):
+        assert report.ok, (report.case.plan.passes, report.failures, report.max_diff)

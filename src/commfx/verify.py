@@ -328,7 +328,12 @@ def _capacity_reference(case, model, inputs, shards, scale, capacity, precision:
     from .plan import PassSpec, Topology
     from .runtime.comm import install_default, local_scheduler
 
-    single = Plan(Topology(world_size=1), (PassSpec("lift"),), precision=precision)
+    passes = (PassSpec("lift"),)
+    if precision != "fp32" and "expert_parallel" in case.plan.pass_names() and plan_options(case.plan, "expert_parallel").dispatch == "fp8":
+        # fp8 dispatch quantises each row on its own: one process quantises the same rows alike
+        # (the float32 model beside it has neither the casts nor the codec)
+        passes += (PassSpec("expert_parallel", {"dispatch": "fp8"}),)
+    single = Plan(Topology(world_size=1), passes, precision=precision)
     program = compile_program(copy.deepcopy(model), single, local_batch(inputs, shards, 0))
     if capacity > 0:
         set_capacity(program, capacity)
