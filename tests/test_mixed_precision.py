@@ -160,3 +160,11 @@ def test_bf16_verify_passes_through_the_moe_passes():
     passes = ["lift,expert_parallel,partition_a2a:k=2", "lift,expert_parallel,pack_experts"]
     for report in verify([VerifyCase("gpt-moe-tiny", bf16(p)) for p in passes], 2, timeout_s=300):
         assert report.ok, (report.case.plan.passes, report.failures, report.max_diff)
+
+
+def test_the_compile_backend_refuses_grad_reduce_bf16():
+    from commfx.backend import CommfxBackend
+
+    plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel", world_size=1), grad_reduce_dtype="bf16")
+    with pytest.raises(PlanError, match="--grad-reduce bf16 needs commfx.distribute"):
+        CommfxBackend(plan)

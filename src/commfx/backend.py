@@ -66,6 +66,11 @@ class CommfxBackend:
                 "shard_states needs commfx.distribute and commfx.shard_optimizer (its optimizer steps this rank's shard); "
                 "under torch.compile's commfx backend optimizer state stays replicated: drop it from the plan"
             )
+        if plan.grad_reduce_dtype != "fp32":
+            raise PlanError(
+                f"--grad-reduce {plan.grad_reduce_dtype} needs commfx.distribute; under torch.compile's commfx backend "
+                "gradients outside the compiled graphs are reduced eagerly in their own dtype: drop it (fp32)"
+            )
         try:
             check_plan(self.plan)
         except PlanError as error:
