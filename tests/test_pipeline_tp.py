@@ -3,8 +3,9 @@
 Single-process tests check that each stage's graph carries its blocks' tp collectives on
 the `tp` group, that boundaries carry whole (replicated) activations, that ranks and
 groups line up (a tp rank's counterpart in the next stage has its tp index) and which
-pairings are refused; the gloo test (slow: world 4 on two cores) checks float64 equality
-with the single-process model on a dense and an MoE HF model.
+pairings are refused; the gloo tests (slow: worlds 4 and 8 on two cores) check float64
+equality with the single-process model on a dense and an MoE HF model (pp 2 x tp 2) and on
+gpt-moe with experts (pp 2 x tp 2 x dp 2).
 """
 
 from __future__ import annotations
@@ -89,3 +90,11 @@ def test_pp2_tp2_equals_the_single_process_model_world_4():
     for report in verify(cases, 4, timeout_s=500):
         assert report.ok, (report.case.model, report.failures, report.grad_diffs)
         assert report.max_diff <= 1e-10
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dp2_with_experts_equals_the_single_process_model_world_8():
+    plan = Plan.from_cli("lift,expert_parallel,tensor_parallel,pipeline_split", world_size=8, pp=2, tp=2)  # ep 4 per stage
+    (report,) = verify([VerifyCase("gpt-moe", plan)], 8, timeout_s=600)
+    assert report.ok, (report.failures, report.grad_diffs)
+    assert report.max_diff <= 1e-10

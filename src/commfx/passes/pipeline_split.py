@@ -7,7 +7,10 @@ first stage, what comes after the last (final norm, head, loss) the last. Every 
 later stage needs crosses the boundaries in between as a named tensor (the `Boundary`
 objects of `compiler.stages`); size computations (`sym_size` of an input) are recomputed
 in each stage that needs them, so only tensors ever travel. A weight used by two stages
-(a tied embedding) is held by both, and its gradient is summed across them.
+(a tied embedding) is held by both, and its gradient is summed across them. After
+tensor_parallel, each stage keeps its blocks' tp collectives, which run on the `tp` group
+of that stage's ranks; boundary values are whole (replicated over tp), and each tp rank
+sends its copy to the rank of the next stage with its tp index.
 
 torch.fx's `split_module` does the same cut, but threads the symbolic sizes themselves
 between partitions as inputs; a SymInt cannot travel between ranks as a tensor, and its
