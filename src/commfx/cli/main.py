@@ -16,6 +16,7 @@ from ..plan import PRECISIONS, Plan, PlanError
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 from .simulate import add_parser as add_simulate_parser
+from .plan import add_parser as add_plan_parser
 from .checkpoint_args import add_checkpoint_args, check_checkpoint_args
 from .checks import check_local_world, check_output_paths, numbers_as_values, report_defect
 
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -24,6 +24,7 @@ def compile_program(
     stop_after: str | None = None,
     tokens_per_rank: int | None = None,
     observe: PassObserver | None = None,
+    captured: Program | None = None,
 ) -> Program:
     """Validate the plan, capture the model and run the plan's passes (single process).
 
@@ -34,9 +35,12 @@ def compile_program(
     `distribute` passes the world's largest so every rank makes the same choices.
 
     `observe`: see `run_passes` (called before and after each pass).
+
+    `captured`: `capture`'s program of this model and inputs, to compile several plans from
+    one trace (`commfx plan`); each compile rewrites its own copy.
     """
     check_plan(plan, model)
-    program = capture(model, example_inputs, example_kwargs)
+    program = captured.derive() if captured is not None else capture(model, example_inputs, example_kwargs)
     casts = apply_precision(program.gm, plan.precision)
     if casts:
         program.history.append(f"precision {plan.precision}: {casts} casts")

@@ -18,7 +18,7 @@ from .cluster import Cluster, load_cluster, presets
 from .engine import Result, Simulation
 from .workload import build_workload
 
-__all__ = ["Cluster", "Prediction", "load_cluster", "presets", "simulate", "simulate_program", "topology_for"]
+__all__ = ["Captures", "Cluster", "Prediction", "load_cluster", "presets", "simulate", "simulate_program", "topology_for"]
 
 UNSUPPORTED = {
     "pipeline_split": "pipeline stages (their schedule is not simulated yet)",
@@ -65,10 +65,35 @@ def topology_for(cluster: Cluster, plan: Plan) -> Plan:
     return dataclasses.replace(plan, topology=topology)
 
 
-def simulate(model_name: str, plan: Plan, cluster: Cluster, *, batch: int | None = None, seed: int = 0, model_kwargs: dict | None = None) -> Prediction:
-    """Compile `plan` for one rank of `cluster` and simulate its training step."""
+class Captures:
+    """One model, loaded once and traced once per rank share, for simulating many plans of
+    it (`commfx plan`): capture is most of a simulation's time, and plans share it."""
+
+    def __init__(self):
+        self.key, self.model, self.inputs, self.traced = None, None, None, {}
+
+    def get(self, model_name: str, seed: int, kwargs: dict, parts: int):
+        """(model, rank 0's inputs, their captured program)."""
+        from ..compiler.capture import capture
+        from ..models import load_model
+
+        key = (model_name, seed, tuple(sorted(kwargs.items())))
+        if key != self.key:
+            self.model, self.inputs = load_model(model_name, seed=seed, **kwargs)
+            self.key, self.traced = key, {}
+        local = _rank_share(self.inputs, parts)
+        if parts not in self.traced:
+            self.traced[parts] = capture(self.model, local)
+        return self.model, local, self.traced[parts]
+
+
+def simulate(
+    model_name: str, plan: Plan, cluster: Cluster, *, batch: int | None = None, seed: int = 0, model_kwargs: dict | None = None,
+    captures: Captures | None = None,
+) -> Prediction:
+    """Compile `plan` for one rank of `cluster` and simulate its training step (`captures`:
+    reuse a trace of the same model across calls)."""
     from ..compiler.pipeline import compile_program
-    from ..models import load_model
 
     plan = topology_for(cluster, plan)
     for name in plan.pass_names():
@@ -77,10 +102,8 @@ def simulate(model_name: str, plan: Plan, cluster: Cluster, *, batch: int | None
     kwargs = dict(model_kwargs or {})
     if batch:
         kwargs["batch"] = batch
-    model, inputs = load_model(model_name, seed=seed, **kwargs)
-    dp = plan.topology.dp
-    local = _rank_share(inputs, dp)
-    program = compile_program(model, plan, local)
+    model, local, captured = (captures or Captures()).get(model_name, seed, kwargs, plan.topology.dp)
+    program = compile_program(model, plan, local, captured=captured)
     return simulate_program(model_name, program, plan, cluster)
 
 

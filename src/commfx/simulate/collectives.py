@@ -6,9 +6,13 @@ The algorithms are the usual ones (each rank's payload S, a group of P ranks):
 
 - all-to-all, pairwise: S/P to each peer; the off-node share crosses the node's link.
 - all-to-all, hierarchical: the same bytes (the duplicates it saves are not modelled).
+- all-to-all under a locality gate: `remote_share` of the payload leaves the node (the
+  gate's cap on off-node tokens) instead of the uniform share.
 - all-reduce, ring: 2 (P-1)/P S through every ring edge, 2 (P-1) latency steps; one ring
   edge per direction leaves each node, so the node's link carries 2 (P-1)/P S.
 - all-reduce, tree: 2 S through the node's link, 2 log2 P steps.
+- all-gather and reduce-scatter, ring (S the whole buffer): half an all-reduce, (P-1)/P S
+  and P-1 steps.
 - point-to-point: S on the one link between the two ranks.
 """
 
@@ -49,8 +53,9 @@ def group_of_rank0(topology: Topology, group: str) -> list[int]:
     return next(g for g in groups[group] if 0 in g)
 
 
-def link_load(kind: str, payload: float, group: list[int], topology: Topology, cluster: Cluster) -> LinkLoad:
-    """`kind`: all_to_all | all_reduce | send. `payload`: bytes this rank contributes."""
+def link_load(kind: str, payload: float, group: list[int], topology: Topology, cluster: Cluster, remote_share: float | None = None) -> LinkLoad:
+    """`kind`: all_to_all | all_reduce | all_gather | reduce_scatter | send. `payload`: bytes
+    this rank contributes (the whole buffer for all-gather and reduce-scatter)."""
     size = len(group)
     if size <= 1 or payload <= 0:
         return LinkLoad(0.0, 0.0, 0)
@@ -60,12 +65,18 @@ def link_load(kind: str, payload: float, group: list[int], topology: Topology, c
     per_node = topology.node_size
     if kind == "all_to_all":
         per_peer = payload / size
+        if remote_share is not None and remote and remote_share < remote / size:
+            local = payload * (1 - remote_share) * local_peers / (local_peers + 1)
+            return LinkLoad(payload * remote_share * per_node, local, 1)
         return LinkLoad(per_peer * remote * per_node, per_peer * local_peers, 1)
     if kind == "all_reduce":
         if cluster.all_reduce == "tree" and remote:
             return LinkLoad(2.0 * payload, 2.0 * payload * (size - 1) / size, 2 * math.ceil(math.log2(size)))
         wire = 2.0 * (size - 1) / size * payload
         return LinkLoad(wire if remote else 0.0, wire if local_peers else 0.0, 2 * (size - 1))
+    if kind in ("all_gather", "reduce_scatter"):
+        wire = (size - 1) / size * payload
+        return LinkLoad(wire if remote else 0.0, wire if local_peers else 0.0, size - 1)
     if kind == "send":
         return LinkLoad(payload if remote else 0.0, 0.0 if remote else payload, 1)
     raise ValueError(f"unknown collective kind {kind!r}")

@@ -57,11 +57,28 @@ class Result:
         }
 
 
+def locality_remote_share(plan: Plan, program: Program) -> float | None:
+    """The off-node share of the expert all-to-alls under locality_gate (its cap on tokens
+    leaving their node), or None: uniform routing (no gate, or a baseline gate)."""
+    from ..passes.locality_gate import BASELINES, default_remote_fraction
+
+    for spec in plan.passes:
+        if spec.name == "locality_gate" and str(spec.options.get("gate", "model")) not in BASELINES:
+            fraction = spec.options.get("max_remote_fraction")
+            blocks = program.regions.moe_blocks
+            return float(fraction) if fraction is not None else default_remote_fraction(blocks[0].top_k if blocks else 1)
+    return None
+
+
 class Simulation:
     def __init__(self, workload: Workload, program: Program, plan: Plan, cluster: Cluster):
         self.workload, self.plan, self.cluster = workload, plan, cluster
         self.priority = program.runtime.comm_schedule.priority
         self.chunk_bytes = program.runtime.comm_schedule.grad_chunk_bytes
+        sharded = getattr(program.runtime, "shard_states", None) or {}
+        self.zero = int(sharded.get("stage", 0))
+        self.bucket_bytes = int(sharded.get("bucket_bytes") or 0) or plan.grad_bucket_bytes
+        self.remote_share = locality_remote_share(plan, program)
         self.lanes: dict[str, deque] = {}
         self.in_flight: dict[str, Flight | None] = {}
         self.class_of: dict[str, str] = {}
@@ -78,7 +95,8 @@ class Simulation:
 
     def submit(self, comm: Comm, at: float) -> None:
         group = self.groups.get(comm.group) or self.groups.setdefault(comm.group, group_of_rank0(self.plan.topology, comm.group))
-        load = link_load(comm.kind, comm.payload, group, self.plan.topology, self.cluster)
+        share = self.remote_share if comm.kind == "all_to_all" and comm.group == "ep" else None
+        load = link_load(comm.kind, comm.payload, group, self.plan.topology, self.cluster, share)
         pending = Pending(comm.label, comm.priority, comm.group, comm.tag, int(comm.payload), None, t_submit=at)
         self.lanes.setdefault(comm.priority, deque()).append(Flight(comm, load, pending))
         self.in_flight.setdefault(comm.priority, None)
@@ -135,7 +153,16 @@ class Simulation:
         buckets = self._buckets()
         ready: set[str] = set()
         next_bucket = 0
+        gathers = self._gather(buckets, 1, t) if self.zero == 3 else []
+        collectives += len(gathers)
+        phase = "forward"
         for item in self.workload.items:
+            if item.phase != phase and phase == "forward" and self.zero == 3:
+                end = self._wait_all(gathers, t)
+                blocked += end - t
+                t = end
+                collectives += len(self._gather(buckets, 2, t))
+            phase = item.phase
             if item.what == "compute":
                 if item.phase == "optimizer":
                     start = t
@@ -168,6 +195,12 @@ class Simulation:
                 while next_bucket < len(buckets) and all(p in ready for p in buckets[next_bucket][1]):
                     collectives += self._submit_bucket(next_bucket, *buckets[next_bucket], t)
                     next_bucket += 1
+        if self.zero in (1, 2):  # the updated shards all-gathered after the step
+            gathers = self._gather(buckets, 3, t)
+            collectives += len(gathers)
+            end = self._wait_all(gathers, t)
+            blocked += end - t
+            t = end
         self.timeline.step(0, 0.0, t)
         return Result(t, compute, self.comm_busy, blocked, self.inter, self.intra, collectives, self._memory(), self.timeline, self.history)
 
@@ -175,7 +208,7 @@ class Simulation:
         names = list(self.workload.params)
         entries = [Entry(g, "float", n, size) for n, size, g in self.workload.params.values()]
         out = []
-        for group, indices in make_buckets(entries, self.plan.grad_bucket_bytes):
+        for group, indices in make_buckets(entries, self.bucket_bytes):
             members = [names[i] for i in indices]
             out.append((group, members, float(sum(entries[i].numel * entries[i].element_size for i in indices))))
         return out
@@ -185,12 +218,39 @@ class Simulation:
         count = max(1, -(-int(nbytes) // int(chunk)))
         for i in range(count):
             size = min(chunk, nbytes - i * chunk)
-            comm = Comm(-(index * 10_000 + i + 1), "all_reduce", "grad_all_reduce", group, GRAD_CLASS, f"bucket {index} chunk {i + 1}/{count}", size)
+            kind = "reduce_scatter" if self.zero >= 2 else "all_reduce"
+            comm = Comm(-(index * 10_000 + i + 1), kind, f"grad_{kind}", group, GRAD_CLASS, f"bucket {index} chunk {i + 1}/{count}", size)
             self.submit(comm, at)
         return count
 
+    def _gather(self, buckets, phase: int, at: float) -> list[int]:
+        """All-gather every bucket's parameters (shard_states), in bucket order; their ids."""
+        ids = []
+        for index, (group, _, nbytes) in enumerate(buckets):
+            ident = -(10_000_000 * phase + index + 1)
+            self.submit(Comm(ident, "all_gather", "param_all_gather", group, GRAD_CLASS, f"bucket {index} gather", nbytes), at)
+            ids.append(ident)
+        return ids
+
+    def _wait_all(self, ids: list[int], at: float) -> float:
+        self.advance(at)
+        for ident in ids:
+            self.wait(ident)
+        return max([at] + [self.done[i] for i in ids])
+
     def _memory(self) -> dict[str, float]:
-        params = sum(n * s for n, s, _ in self.workload.params.values())
-        memory = {"parameters": params, "gradients": params, "optimizer_state": 2 * params, "activations": self.workload.activation_bytes}
+        """Held bytes per rank: parameters, gradients, AdamW's two moments (cut over each
+        bucket's group as far as the shard_states stage goes; stage 3 holds its two largest
+        buckets whole while they are gathered), and the activations kept for backward."""
+        sizes = {name: len(ranks[0]) for name, ranks in self.plan.topology.process_groups().items()}
+        whole = sum(n * s for n, s, _ in self.workload.params.values())
+        cut = sum(n * s / (sizes.get(g, 1) if g else 1) for n, s, g in self.workload.params.values())
+        gathered = sum(sorted((b for _, _, b in self._buckets()), reverse=True)[:2])
+        memory = {
+            "parameters": min(whole, cut + gathered) if self.zero >= 3 else whole,
+            "gradients": cut if self.zero >= 2 else whole,
+            "optimizer_state": 2 * (cut if self.zero >= 1 else whole),
+            "activations": self.workload.activation_bytes,
+        }
         memory["total"] = sum(memory.values())
         return memory

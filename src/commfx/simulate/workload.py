@@ -167,7 +167,9 @@ def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
             activation += _tensor_bytes(_value(node))
     backward = _mirror(forward, counter, first_use)
     params = _parameters(program, plan)
-    optimizer_bytes = sum(numel * size * 8 for numel, size, _ in params.values())  # AdamW: read and write p, g, m, v
+    # AdamW reads and writes p, g, m, v; under shard_states each rank steps its shard only
+    parts = {name: len(ranks[0]) for name, ranks in plan.topology.process_groups().items()} if program.runtime.shard_states else {}
+    optimizer_bytes = sum(numel * size * 8 / parts.get(group, 1) for numel, size, group in params.values())
     items = forward + backward + [Item("compute", "optimizer.step", "optimizer", label="optimizer step", nbytes=optimizer_bytes)]
     if not blocks.blocks and any(i.comm and i.comm.payload == 0 for i in items):
         notes.append("some collectives could not be sized from the graph and count as latency only")
