@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from commfx.api import compile_program
-from commfx.models import build_gpt_moe
+from commfx.models import build_gpt_moe, load_model
 from commfx.compiler.pass_manager import check_plan
 from commfx.passes import PassError
 from commfx.plan import Plan, PlanError
@@ -41,6 +41,23 @@ def test_interleaved_micro_batches_equal_the_model(world):
     for case, report in zip(cases, verify(cases, world, timeout_s=600)):
         assert report.ok, (case.model, case.plan, report.failures, report.max_diff)
         assert any("router" in name for name in report.grad_diffs), "router gradients are compared"
+
+
+def test_tensor_parallel_all_reduces_are_copied_per_micro_batch():
+    """tp x ep: each micro-batch's tp_copy and row-parallel all-reduce in its own turn, on `tp`."""
+    model, inputs = load_model("gpt-moe-tiny")
+    program = compile_program(model, Plan.from_cli("lift,expert_parallel,tensor_parallel,microbatch_overlap", world_size=2, tp=2), inputs)
+    tp_ops = [n for n in program.graph.nodes if n.target in (torch.ops.commfx.tp_copy.default, torch.ops.commfx.all_reduce.default)]
+    assert [n.target._opname for n in tp_ops] == ["tp_copy", "all_reduce"] * 2  # micro-batch 0's attention, then 1's
+    assert {n.args[1] for n in tp_ops} == {"tp"}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_interleaved_micro_batches_with_tensor_parallel_equal_the_model():
+    plan = Plan.from_cli("lift,expert_parallel,tensor_parallel,microbatch_overlap", world_size=2, tp=2)
+    (report,) = verify([VerifyCase("gpt-moe", plan)], 2, timeout_s=600)
+    assert report.ok, (report.failures, report.max_diff)
 
 
 def _positions(text: str, pattern: str) -> list[int]:

@@ -17,6 +17,9 @@ batch dimension. Autograd runs backward in reverse creation order, so backward i
 the same way. Count exchanges move to the `ctl` lane, ahead of all-to-all, so that one
 micro-batch's counts never queue behind the other's rows.
 
+Tensor-parallel all-reduces are copied per micro-batch like any node and run in their
+micro-batch's turn (phases count all-to-alls only, so they are not yet overlapped).
+
 Lossless where the model treats sequences independently (tested in float64): the pass
 rejects outputs without the batch dimension (a loss), nodes whose shapes drop it (a
 reduction over the batch) and capacity-limited routing (capacity counts a whole batch).
@@ -47,7 +50,6 @@ register_priority_class(CONTROL_CLASS, -10, "count exchanges of overlapped micro
 # Facts of graphs whose state or statistics span the whole batch, or that this pass does not handle yet.
 REFUSED = {
     "pipeline split": "pipeline stages already run micro-batches",
-    "tensor parallel": "its all-reduces are not interleaved yet",
     "locality gate": "its capacity floor is measured on the whole batch",
     "embedding comm": "its embedding exchange is not interleaved yet",
     "capacity routing": "capacity is counted per micro-batch, so other tokens would be dropped than without it; "
