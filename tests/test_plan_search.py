@@ -62,3 +62,17 @@ def test_bad_input_is_one_clear_error(capsys):
     assert "error: --memory-limit '-3'" in capsys.readouterr().out
     assert main(["plan", "gpt-moe-tiny", "--cluster", "h100", "--world", "6", "--nodes", "4"]) == 2
     assert "--world 6 is not a multiple of --nodes 4" in capsys.readouterr().out
+
+
+def test_rows_per_rank_traces_one_row_and_predicts_the_full_batch():
+    """--rows-per-rank (for models too large to trace at their batch): one traced sequence
+    per rank scaled to N predicts what tracing N sequences does."""
+    from commfx import Plan
+    from commfx.simulate import simulate
+
+    cluster = load_cluster("emulated").with_layout(2, 1, "100mbit")
+    plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=2, ranks_per_node=1)
+    full = simulate("gpt-moe-tiny", plan, cluster, batch=16).result
+    scaled = simulate("gpt-moe-tiny", plan, cluster, rows_per_rank=8).result
+    assert scaled.step_s == pytest.approx(full.step_s, rel=0.02)
+    assert scaled.memory["total"] == pytest.approx(full.memory["total"], rel=0.05)

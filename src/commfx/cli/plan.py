@@ -40,9 +40,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
     parser.add_argument("--candidate", action="append", default=[], metavar="PASSES",
                         help="rank these pass lists instead of searching (repeatable; the first is the baseline)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the precision of the --candidate plans (the search tries both)")
     parser.add_argument("--emit", metavar="FILE", help="write the chosen plan's --passes string here")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model config override (repeatable)")
+    parser.add_argument("--rows-per-rank", type=positive_int, default=None, metavar="N",
+                        help="trace one sequence per rank and simulate N (for models too large to trace at their batch here; "
+                             "costs are taken as linear in rows)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run)
 
@@ -86,9 +90,10 @@ def _run(args) -> int:
     check_output_paths({"--emit": args.emit})
     cluster = layout(load_cluster(args.cluster), args.world, args.nodes, args.ranks_per_node, args.inter_node)
     limit = cluster.device.memory_bytes if args.memory_limit == "auto" else parse_bytes(args.memory_limit)
-    candidates = [Candidate(p) for p in args.candidate] or None
+    candidates = [Candidate(p, precision=args.precision) for p in args.candidate] or None
     console.print(f"planning {args.model} on {cluster.describe()}, memory limit {size(limit)} per rank ...", soft_wrap=True)
-    result = search(args.model, cluster, memory_limit=limit, model_kwargs=_model_kwargs(args), seed=args.seed, candidates=candidates)
+    result = search(args.model, cluster, memory_limit=limit, model_kwargs=_model_kwargs(args), seed=args.seed, candidates=candidates,
+                    rows_per_rank=args.rows_per_rank)
     _print(result, args.top)
     if not result.fitting:
         smallest = min(result.over_limit, key=lambda r: r.memory_bytes, default=None)

@@ -89,10 +89,15 @@ class Captures:
 
 def simulate(
     model_name: str, plan: Plan, cluster: Cluster, *, batch: int | None = None, seed: int = 0, model_kwargs: dict | None = None,
-    captures: Captures | None = None,
+    captures: Captures | None = None, rows_per_rank: int | None = None,
 ) -> Prediction:
     """Compile `plan` for one rank of `cluster` and simulate its training step (`captures`:
-    reuse a trace of the same model across calls)."""
+    reuse a trace of the same model across calls).
+
+    `rows_per_rank`: trace one sequence per rank and simulate this many (every traced cost is
+    linear in rows at a fixed sequence length): for models whose traced forward would not fit
+    this machine's memory at the real batch (the per-row experts path copies an expert's
+    weights for every routed row)."""
     from ..compiler.pipeline import compile_program
 
     plan = topology_for(cluster, plan)
@@ -102,12 +107,16 @@ def simulate(
     kwargs = dict(model_kwargs or {})
     if batch:
         kwargs["batch"] = batch
+    if rows_per_rank:
+        kwargs["batch"] = plan.topology.dp
     model, local, captured = (captures or Captures()).get(model_name, seed, kwargs, plan.topology.dp)
-    program = compile_program(model, plan, local, captured=captured)
-    return simulate_program(model_name, program, plan, cluster)
+    scale = rows_per_rank or 1
+    traced_tokens = captured.tokens_per_rank or 0
+    program = compile_program(model, plan, local, captured=captured, tokens_per_rank=traced_tokens * scale if rows_per_rank else None)
+    return simulate_program(model_name, program, plan, cluster, scale=scale)
 
 
-def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster) -> Prediction:
+def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster, *, scale: float = 1.0) -> Prediction:
     """Simulate a compiled program: its all-to-alls split and moved by the runtime's own
     schedule pass (`overlap_collectives`: starts as early, waits as late as data allows)."""
     from ..passes.schedule.overlap import overlap_collectives
@@ -115,7 +124,7 @@ def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster) -> 
     tokens = program.tokens_per_rank or 0
     scheduled = program.derive()
     overlap_collectives(scheduled.gm)
-    workload = build_workload(scheduled, plan, tokens)
+    workload = build_workload(scheduled, plan, tokens, scale)
     result = Simulation(workload, program, plan, cluster).run()
     return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + workload.notes)
 

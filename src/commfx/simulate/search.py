@@ -107,8 +107,13 @@ class Planner:
     memory_limit: float
     model_kwargs: dict = field(default_factory=dict)
     seed: int = 0
+    rows_per_rank: int | None = None  # trace one sequence per rank, simulate this many (see `simulate`)
     captures: Captures = field(default_factory=Captures)
     seen: dict[Candidate, Ranked] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.rows_per_rank:
+            self.model_kwargs["batch"] = self.cluster.world_size
 
     def run(self, candidate: Candidate) -> Ranked:
         if candidate in self.seen:
@@ -117,7 +122,8 @@ class Planner:
         try:
             plan = Plan.from_cli(candidate.passes, world_size=self.cluster.world_size, ep=candidate.ep, ranks_per_node=self.cluster.ranks_per_node)
             plan = dataclasses.replace(plan, precision=candidate.precision)
-            ranked.prediction = simulate(self.model, plan, self.cluster, seed=self.seed, model_kwargs=self.model_kwargs, captures=self.captures)
+            ranked.prediction = simulate(self.model, plan, self.cluster, seed=self.seed, model_kwargs=self.model_kwargs, captures=self.captures,
+                                         rows_per_rank=self.rows_per_rank)
             ranked.fits = ranked.memory_bytes <= self.memory_limit
         except (PlanError, PassError, ValueError) as error:  # a pass refuses the plan for this model or layout
             ranked.refused = str(error)
@@ -172,10 +178,10 @@ def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Clus
 
 def search(
     model: str, cluster: Cluster, *, memory_limit: float, model_kwargs: dict | None = None, seed: int = 0,
-    candidates: list[Candidate] | None = None, beam: int = BEAM,
+    candidates: list[Candidate] | None = None, beam: int = BEAM, rows_per_rank: int | None = None,
 ) -> SearchResult:
     """Simulate candidates (the given ones, or the beam search's) and rank them."""
-    planner = Planner(model, cluster, memory_limit, dict(model_kwargs or {}), seed)
+    planner = Planner(model, cluster, memory_limit, dict(model_kwargs or {}), seed, rows_per_rank)
     facts = planner.facts()
     if candidates is not None:
         for candidate in candidates:
@@ -218,7 +224,7 @@ def explain(ranked: Ranked, baseline: Ranked | None) -> str:
     if abs(b.memory["total"] - a.memory["total"]) > 0.01 * a.memory["total"]:
         parts.append(f"memory {a.memory['total'] / 1e6:.4g} -> {b.memory['total'] / 1e6:.4g} MB")
     parts += [why for name, why in LOSSY.items() if name in ranked.candidate.passes]
-    if ranked.candidate.precision != "fp32":
+    if ranked.candidate.precision != baseline.candidate.precision:
         parts.append(f"{ranked.candidate.precision} compute (not bit-identical)")
     if not ranked.fits:
         parts.append("over the memory limit")

@@ -129,8 +129,12 @@ class _Blocks:
         return max(found, key=len) if found else None
 
 
-def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
-    """The step of one rank that sees `tokens` tokens (program compiled on that rank's batch)."""
+def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0) -> Workload:
+    """The step of one rank that sees `tokens` tokens (program compiled on that rank's batch).
+
+    `scale`: the traced batch stands for `scale` times its rows (the MoE blocks already see
+    `tokens`): costs read off traced shapes, which are linear in rows at a fixed sequence
+    length, are multiplied by it; parameters' and gradients' bytes are not."""
     dtype_bytes = 2 if plan.precision == "bf16" else 4
     blocks = _Blocks(program, plan, tokens, dtype_bytes)
     forward: list[Item] = []
@@ -139,7 +143,10 @@ def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
     activation = 0.0
     notes: list[str] = []
     counter = iter(range(1 << 30))
+    constant: set[fx.Node] = set()  # computed from parameters alone (casts of weights): not scaled by rows
     for node in program.graph.nodes:
+        if node.op == "get_attr" or node.op in ("call_function", "call_method") and all(a in constant or a.op == "get_attr" for a in node.all_input_nodes):
+            constant.add(node)
         if node.op == "get_attr":
             continue
         if node.op in ("placeholder", "output"):
@@ -151,7 +158,8 @@ def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
         if name == "wait_tensor" and node.args and node.args[0] in started:
             forward.append(Item("wait", node.name, "forward", comm_id=started[node.args[0]].id))
             continue
-        comm = _comm_of(node, name, blocks, next(counter))
+        rows = 1.0 if node in constant else scale
+        comm = _comm_of(node, name, blocks, next(counter), rows)
         if comm is not None:
             forward.append(Item("start", node.name, "forward", comm=comm))
             if name in SPLIT_PHASE:
@@ -161,10 +169,10 @@ def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
             continue
         if name in FREE or node.op == "call_method" and name in FREE:
             continue
-        flops, nbytes = _compute_cost(node, name, blocks)
+        flops, nbytes = _compute_cost(node, name, blocks, rows)
         if flops or nbytes:
             forward.append(Item("compute", node.name, "forward", label=_label(node), flops=flops, nbytes=nbytes))
-            activation += _tensor_bytes(_value(node))
+            activation += _tensor_bytes(_value(node)) * rows
     backward = _mirror(forward, counter, first_use)
     params = _parameters(program, plan)
     # AdamW reads and writes p, g, m, v; under shard_states each rank steps its shard only
@@ -176,18 +184,18 @@ def build_workload(program: Program, plan: Plan, tokens: int) -> Workload:
     return Workload(items, params, activation, notes)
 
 
-def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int) -> Comm | None:
+def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int, scale: float = 1.0) -> Comm | None:
     if name in A2A:
         group, priority, tag = _comm_args(node)
         path = blocks.of_tag(tag) if tag else blocks.of_node(node)
-        payload = blocks.rows[path] * blocks.hidden[path] if path else _tensor_bytes(_value(node.args[0]) if node.args else None)
+        payload = blocks.rows[path] * blocks.hidden[path] if path else scale * _tensor_bytes(_value(node.args[0]) if node.args else None)
         return Comm(ident, "all_to_all", "all_to_all", group, priority, tag, payload)
     if name in SMALL_COMM:
         group = next((a for a in node.args if isinstance(a, str)), "ep")
         return Comm(ident, "all_to_all", "all_to_all", group, DEFAULT_CLASS, name, 64.0)
     if name in ALL_REDUCE:
         group = next((a for a in node.args[1:] if isinstance(a, str)), "tp")
-        return Comm(ident, "all_reduce", "all_reduce", group, DEFAULT_CLASS, name, _tensor_bytes(_value(node)))
+        return Comm(ident, "all_reduce", "all_reduce", group, DEFAULT_CLASS, name, scale * _tensor_bytes(_value(node)))
     return None
 
 
@@ -199,7 +207,7 @@ def _comm_args(node: fx.Node) -> tuple[str, str, str]:
     return group, priority, tag
 
 
-def _compute_cost(node: fx.Node, name: str, blocks: _Blocks) -> tuple[float, float]:
+def _compute_cost(node: fx.Node, name: str, blocks: _Blocks, scale: float = 1.0) -> tuple[float, float]:
     value = _value(node)
     path = blocks.of_node(node)
     if name in ("expert_ffn", "packed_expert_ffn") and path:
@@ -211,7 +219,7 @@ def _compute_cost(node: fx.Node, name: str, blocks: _Blocks) -> tuple[float, flo
         return 0.0, 0.0
     inputs = sum(_tensor_bytes(_value(a)) for a in node.all_input_nodes if a.op != "get_attr")
     weights = sum(_tensor_bytes(_value(a)) or _tensor_bytes(getattr(a, "_param", None)) for a in node.all_input_nodes if a.op == "get_attr")
-    return node_flops(node), inputs + weights + _tensor_bytes(value)
+    return scale * node_flops(node), scale * (inputs + _tensor_bytes(value)) + weights
 
 
 def _label(node: fx.Node) -> str:
