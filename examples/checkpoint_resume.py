@@ -2,12 +2,14 @@
 
     torchrun --standalone --nproc_per_node 2 examples/checkpoint_resume.py --steps 4 --checkpoint-dir ck
     torchrun --standalone --nproc_per_node 2 examples/checkpoint_resume.py --steps 6 --checkpoint-dir ck --resume --export hf
+    torchrun --standalone --nproc_per_node 2 examples/checkpoint_resume.py --passes lift,expert_parallel,shard_states:stage=3
 
 Every rank calls `commfx.save` together: each tensor is written under its name in the model
 (experts by expert, whatever rank holds them), so the checkpoint also resumes on another
 number of ranks. `commfx.load` restores the model, the optimizer and commfx's runtime state
 (expert placements, step counters). `commfx.export_hf` writes the whole trained model for
-`transformers`' `from_pretrained`.
+`transformers`' `from_pretrained`. With `shard_states` in the plan (ZeRO), `commfx.shard_optimizer`
+steps only this rank's shard of each parameter's state; without it, it is a plain AdamW.
 """
 
 import argparse
@@ -32,6 +34,7 @@ def build_model() -> MixtralForCausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--passes", default="lift,expert_parallel,partition_a2a")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--export", help="write the trained model here for from_pretrained")
@@ -40,9 +43,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ids = torch.arange(4 * 16).remainder(256).view(4, 16).roll(rank)  # this rank's batch
-    plan = commfx.Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=world)
+    plan = commfx.Plan.from_cli(args.passes, world_size=world)  # e.g. lift,expert_parallel,shard_states:stage=3
     dm = commfx.distribute(build_model(), plan, {"input_ids": ids, "labels": ids})
-    optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
+    optimizer = commfx.shard_optimizer(dm, torch.optim.AdamW, lr=3e-3)  # a plain AdamW when the plan does not shard
     dm.attach_optimizer(optimizer)
 
     start = 0

@@ -220,13 +220,16 @@ def test_an_exported_hf_model_loads_in_transformers_with_the_trained_weights(tmp
 def test_the_readme_torchrun_recipe_saves_resumes_and_exports(tmp_path):
     """examples/checkpoint_resume.py as the README runs it, as small as it goes: 2 steps
     saved, then resumed from step 2 for one more step with an export in the layout
-    from_pretrained reads (test_an_exported_hf_model_... loads one in transformers)."""
+    from_pretrained reads (test_an_exported_hf_model_... loads one in transformers). The
+    resumed run adds shard_states:stage=3 (the README's ZeRO recipe; a layout pass may be
+    added on resume), so its optimizer is commfx.shard_optimizer's."""
     from test_examples import losses, torchrun
 
     ck, hf = tmp_path / "ck", tmp_path / "hf"
     first = torchrun("checkpoint_resume.py", "--steps", "2", "--checkpoint-dir", str(ck))
     assert len(losses(first)) == 2 and (ck / "step-000002" / store.MANIFEST).exists(), first
-    second = torchrun("checkpoint_resume.py", "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "--export", str(hf))
+    second = torchrun("checkpoint_resume.py", "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "--export", str(hf),
+                      "--passes", "lift,expert_parallel,partition_a2a,shard_states:stage=3")
     assert "step 3/3" in second and "step 1/3" not in second and "step 2/3" not in second, second
     assert json.loads((hf / "config.json").read_text())["num_local_experts"] == 4 and list(hf.glob("*.safetensors")), second
 
