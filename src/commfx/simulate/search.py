@@ -127,6 +127,8 @@ class Planner:
             ranked.fits = ranked.memory_bytes <= self.memory_limit
         except (PlanError, PassError, ValueError) as error:  # a pass refuses the plan for this model or layout
             ranked.refused = str(error)
+        except RuntimeError as error:  # a defect in one plan's compile: listed, the search goes on
+            ranked.refused = f"failed to compile ({type(error).__name__}: {error})"
         self.seen[candidate] = ranked
         return ranked
 
