@@ -93,7 +93,7 @@ GPT2_SCALED_HIDDEN = 128
 
 def gpt2_words_loss():
     """GPT-2 small's proportions scaled to hidden 128: the same vocabulary ÷ hidden ratio (65.4,
-    so 8,377 words), 12 layers, MLP of GPT-2's 8 × hidden² parameters (gpt-moe's gated MoE block of one expert, 8/3 × hidden wide, which
+    so 8,377 words), 12 layers, MLP of GPT-2's 8 × hidden² parameters (gpt-moe's gated MoE block of one expert, 344 ≈ 8/3 × hidden wide, which
     its router weights 1.0), learned positions, the LM head TIED to the token table; returning
     its own next-token loss on the word windows of gpt_moe_words_loss (rarer words folded
     into one id). Embedding and head hold 31% of the parameters, as in GPT-2 small."""
@@ -101,6 +101,9 @@ def gpt2_words_loss():
 
     vocab = round(GPT2_VOCAB / GPT2_HIDDEN * GPT2_SCALED_HIDDEN)
     model, _ = build_gpt_moe(vocab_size=vocab, hidden_size=GPT2_SCALED_HIDDEN, num_layers=GPT2_LAYERS, num_heads=4,
-                             num_experts=1, top_k=1, expert_hidden=8 * GPT2_SCALED_HIDDEN // 3, max_seq=SEQ + 1)
+                             num_experts=1, top_k=1, expert_hidden=344, max_seq=SEQ + 1)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        model.embed.weight.normal_(0.0, 0.02)  # GPT-2's initialisation of its (tied) token table
     model.lm_head.weight = model.embed.weight
     return NextTokenLoss(model), shifted(word_batch(seq=SEQ + 1, ids=corpus_ids(vocab)))
