@@ -165,7 +165,8 @@ def hash_experts(token_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def hash_route(token_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[T, 1] expert of each token of x by the hash of its id (ids in the same order as x's rows)."""
+    """[T, 1] expert of each token by the hash of its id; `x` is any [T, ...] tensor of the MoE rows
+    (its router probabilities), which the ids must match row for row."""
     torch._check(
         token_ids.numel() == x.shape[0],
         lambda: f"gate=hash routes by token id, but the model's ids hold {token_ids.numel()} tokens and the MoE input "

@@ -214,7 +214,7 @@ def _substitute(rw: Rewriter, router: fx.Node, picks: dict, dispatch: fx.Node, b
         raw = make(locality.grap_scores, (x, num_experts), "GrAP gate: relu(mean of d/E groups)") if options.gate == "grap" else logits
         probs = make(router_probs, (raw, score_dtype), "router probabilities")
         if options.gate == "hash":
-            indices = make(locality.hash_route, (token_ids, x, num_experts), "hash routing: a fixed hash of the token id")
+            indices = make(locality.hash_route, (token_ids, probs, num_experts), "hash routing: a fixed hash of the token id")
         else:
             home = make(commfx.home_experts.default, (probs, expert_node, rank_node, "ep"), "experts on this rank's node")
             chosen = make("detach", (probs,), op="call_method")
