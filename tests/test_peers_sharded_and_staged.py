@@ -14,11 +14,15 @@ from peer_workers import reference_losses
 pytestmark = pytest.mark.distributed
 
 # The built-in model is cut into stages by hand; an HF model is traced by torch's pipeline().
-CASES = [("fsdp2", "gpt-moe-tiny", {}), ("pipelining", "gpt-moe-tiny", {}),
-         ("pipelining", "gpt-moe-tiny", {"schedule": "gpipe", "microbatches": 4}), ("pipelining", "hf:llama", {})]
+CASES = [
+    pytest.param("fsdp2", "gpt-moe-tiny", {}, id="fsdp2"),
+    pytest.param("pipelining", "gpt-moe-tiny", {}, id="pipelining-1f1b"),
+    pytest.param("pipelining", "gpt-moe-tiny", {"schedule": "gpipe", "microbatches": 4}, id="pipelining-gpipe", marks=pytest.mark.slow),
+    pytest.param("pipelining", "hf:llama", {}, id="pipelining-hf-traced", marks=pytest.mark.slow),
+]
 
 
-@pytest.mark.parametrize("peer, model, options", CASES, ids=["fsdp2", "pipelining-1f1b", "pipelining-gpipe", "pipelining-hf-traced"])
+@pytest.mark.parametrize("peer, model, options", CASES)
 def test_peer_equals_the_single_process_model_and_another_rank_s_weights_are_caught(peer, model, options):
     ranks = launch("peer_workers:sharded_or_staged_check", 2, {"peer": peer, "model": model, "options": options}, timeout_s=180)
     for equal, differs in ranks:

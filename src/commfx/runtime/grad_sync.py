@@ -136,12 +136,16 @@ class GradientSync:
                 else:
                     reduced.update(self._reduced(flight))
         finally:
-            for bucket in self.buckets:
-                bucket.grads.clear()
-                bucket.pending = []
-                bucket.flat = None
-            self._next = 0
+            self.reset_buckets()
         return reduced
+
+    def reset_buckets(self) -> None:
+        """Every bucket empty again and the next one to fill the first: the end of a backward."""
+        for bucket in self.buckets:
+            bucket.grads.clear()
+            bucket.pending = []
+            bucket.flat = None
+        self._next = 0
 
     @property
     def pending(self) -> bool:

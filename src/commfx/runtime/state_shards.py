@@ -112,11 +112,7 @@ class ShardedGradSync(GradientSync):
                 shard.had_grad.update(bucket.grads)
                 reduced.update((slot, None) for slot in bucket.grads)  # autograd gets none: the shard holds it
         finally:
-            for bucket in self.buckets:
-                bucket.grads.clear()
-                bucket.pending = []
-                bucket.flat = None
-            self._next = 0
+            self.reset_buckets()
         return reduced
 
     def clear_grads(self) -> None:
