@@ -80,11 +80,10 @@ class FSDP2Peer:
 
     def __init__(self, model: nn.Module, inputs, *, ep_size: int, lr: float, capacity_factor: float = 0.0):
         self.inputs = inputs
-        model = copy.deepcopy(model)
-        fastest_eager_experts(model)
         self.local = copy.deepcopy(model)  # compute_only's unsharded copy
+        fastest_eager_experts(self.local)
         self.local_optimizer = torch.optim.AdamW(self.local.parameters(), lr=lr)
-        self.module = self.called = copy.deepcopy(model)
+        self.module = self.called = copy.deepcopy(self.local)
         self.groups = shard(self.module)
         self.records = group_records(self.groups, dist.get_world_size())
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)

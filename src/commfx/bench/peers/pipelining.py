@@ -219,7 +219,9 @@ def _score_stages(check_: PeerCheck, peer: PipeliningPeer, loss: torch.Tensor, o
     """Fill `check_`: output and loss on the last stage, each stage's own parameters, a parameter
     no stage holds a failure (collective)."""
     named = dict(peer.module.named_parameters())
-    owned = set().union(*_all_gather(set(named)))
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, set(named))
+    owned = set().union(*held)
     missing = sorted(set(ref.grads) - owned)
     if peer.stage.is_last:
         check_.output_diff = relative_diff(output, ref.outputs[0])
@@ -231,12 +233,6 @@ def _score_stages(check_: PeerCheck, peer: PipeliningPeer, loss: torch.Tensor, o
     for name in missing:  # held by no stage: never trained
         check_.grad_diffs[name] = float("inf")
     worst_over_ranks(check_)
-
-
-def _all_gather(value):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 Runner = PipeliningPeer  # the names every peer module gives the bench
