@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.commfx-installed
 
-.PHONY: demo test test-all install system-deps clean
+.PHONY: demo test test-all test-gpu install system-deps clean
 
 install: $(STAMP)
 
@@ -39,6 +39,14 @@ test: install system-deps
 test-all: install system-deps
 	PYTHONPATH=src $(VENV)/bin/lint-imports --no-cache
 	$(PYTEST)
+
+# The GPU checks (issue 31): compiled Triton kernels against their references in fp16/bf16/fp32,
+# NCCL worlds, stream lanes, verify and run on CUDA. On a CUDA machine, with the python that has
+# torch there (nothing is installed: GPU machines often have no registry): `make test-gpu`.
+GPU_PY ?= python3
+GPU_TESTS := tests/test_kernels.py tests/test_cuda_path.py
+test-gpu:
+	env -u TRITON_INTERPRET PYTHONPATH=src $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS)
 
 clean:
 	rm -rf $(VENV) out

@@ -18,6 +18,7 @@ from .compiler.sharding import shard_parameters
 from .compiler.pass_manager import check_plan
 from .plan import Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups
+from .runtime.devices import module_device_type
 from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
 from .runtime.pipeline.module import PipelineModule
@@ -61,8 +62,9 @@ def distribute(
     except PlanError as error:
         raise said_once_per_node(error) from None
     rank = dist.get_rank()
-    groups = build_groups(plan.topology, rank, timeout_s=plan.collective_timeout_s)
-    scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s)
+    device_type = module_device_type(model)  # CUDA: NCCL lanes on streams (runtime/stream_lanes.py)
+    groups = build_groups(plan.topology, rank, timeout_s=plan.collective_timeout_s, device_type=device_type)
+    scheduler = CommScheduler(plan.topology, rank, groups, timeout_s=plan.collective_timeout_s, device_type=device_type)
     if replicas == "broadcast":
         broadcast_replicas(scheduler, named_state(model))
     elif replicas == "check":

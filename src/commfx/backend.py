@@ -46,6 +46,7 @@ from .compiler.pass_manager import check_plan, run_passes
 from .compiler.precision import apply_precision
 from .plan import PassSpec, Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups, install_default, local_scheduler
+from .runtime.devices import module_device_type, world_device_type
 from .runtime.eager_grads import EagerGradientSync
 from .runtime.executor import BackwardExecutor, GraphExecutor
 from .runtime.grad_sync import GradientSync
@@ -139,7 +140,9 @@ class CommfxBackend:
                         f"{dist.get_world_size()} ranks; make them agree"
                     )
                 rank = dist.get_rank()
-                self._scheduler = CommScheduler(topology, rank, build_groups(topology, rank, timeout_s=self.plan.collective_timeout_s), timeout_s=self.plan.collective_timeout_s)
+                device_type = module_device_type(self.model) if self.model is not None else world_device_type()  # CUDA: NCCL lanes
+                groups = build_groups(topology, rank, timeout_s=self.plan.collective_timeout_s, device_type=device_type)
+                self._scheduler = CommScheduler(topology, rank, groups, timeout_s=self.plan.collective_timeout_s, device_type=device_type)
             elif topology.world_size == 1:
                 self._scheduler = local_scheduler(topology)
             else:

@@ -310,6 +310,7 @@ class PriorityClass:
     level: int  # lower issues first
     description: str
     groups: tuple[str, ...] = ()  # the process groups this class uses (its clones); () = every group
+    overlaps_compute: bool = False  # its traffic hides behind compute (gradients); the others block it: urgent on a GPU
 
 
 PRIORITY_CLASSES: dict[str, PriorityClass] = {}
@@ -318,13 +319,15 @@ PRIORITY_CLASSES: dict[str, PriorityClass] = {}
 DEFAULT_CLASS = "a2a"
 
 
-def register_priority_class(name: str, level: int, description: str, groups: tuple[str, ...] = ()) -> PriorityClass:
+def register_priority_class(name: str, level: int, description: str, groups: tuple[str, ...] = (), overlaps_compute: bool = False) -> PriorityClass:
     """Add a class (passes that bring their own traffic call this at import). `groups`
-    limits the process groups cloned for it (default: all of the plan's groups)."""
+    limits the process groups cloned for it (default: all of the plan's groups);
+    `overlaps_compute` marks traffic no computation waits on at once (on CUDA its process
+    groups keep normal-priority streams; the others get high-priority ones)."""
     existing = PRIORITY_CLASSES.get(name)
     if existing is not None and existing.level != level:
         raise ValueError(f"priority class {name!r} already registered with level {existing.level}")
-    PRIORITY_CLASSES[name] = PriorityClass(name, level, description, tuple(groups))
+    PRIORITY_CLASSES[name] = PriorityClass(name, level, description, tuple(groups), overlaps_compute)
     return PRIORITY_CLASSES[name]
 
 
@@ -336,9 +339,9 @@ def priority_class(name: str) -> PriorityClass:
 
 
 register_priority_class("a2a", 0, "expert all-to-all and control traffic: blocks compute")
-register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks")
+register_priority_class("grad", 100, "gradient all-reduce: overlaps backward, pre-emptible between chunks", overlaps_compute=True)
 # defer_grad_sync: buckets of parameters the next forward uses first, ahead of the rest of the gradients
-register_priority_class("grad_next", 90, "gradient all-reduce the next forward waits for first (defer_grad_sync)", groups=("dp", "edp"))
+register_priority_class("grad_next", 90, "gradient all-reduce the next forward waits for first (defer_grad_sync)", groups=("dp", "edp"), overlaps_compute=True)
 # Pipeline stages wait for each other's activations and gradients: critical, like all-to-all,
 # on clones of the pp groups only (a lane per direction and peer keeps sends from blocking recvs).
 register_priority_class("pp", 10, "pipeline point-to-point: activations forward, activation gradients backward", groups=("pp",))

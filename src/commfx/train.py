@@ -32,6 +32,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: str | None = None  # a checkpoint (or a --checkpoint-dir) to start from (commfx.load)
     export_dir: str | None = None  # after the last step, the whole model for transformers (commfx.export_hf)
+    device: str = "cpu"  # "cuda": this rank's GPU, NCCL between ranks (runtime/devices.py)
 
 
 def loss_fn(outputs, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -108,7 +109,9 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
 
     kwargs = {"batch": config.batch} if config.batch else {}
     model, inputs = load_model(config.model, seed=config.seed, dtype=getattr(torch, config.dtype), **kwargs)
-    local = local_batch(inputs, *data_share(config.plan, rank))  # a tuple, or a dict of keyword tensors
+    device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
+    model = model.to(device)  # built on the CPU with the seed's weights: every device trains the same model
+    local = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), local_batch(inputs, *data_share(config.plan, rank)))
     tensors = batch_tensors(local)
     dm = distribute(model, config.plan, local)
     pipelined = isinstance(dm, PipelineModule)

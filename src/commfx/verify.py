@@ -191,7 +191,7 @@ def probes(outputs: list[torch.Tensor], rows: int | list[int], seed: int) -> lis
     """Fixed random tensors shaped like `outputs`, with `rows` rows (one count, or one per output)."""
     generator = torch.Generator().manual_seed(seed + 12345)
     counts = rows if isinstance(rows, list) else [rows] * len(outputs)
-    return [torch.randn((n, *o.shape[1:]), generator=generator, dtype=o.dtype) for n, o in zip(counts, outputs)]
+    return [torch.randn((n, *o.shape[1:]), generator=generator, dtype=o.dtype).to(o.device) for n, o in zip(counts, outputs)]
 
 
 def per_rank(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
@@ -215,8 +215,8 @@ def batch_size(inputs) -> tuple[int, int]:
     return tensors[0].shape[0], tokens_of(tuple(tensors))
 
 
-def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[dict]:
-    """Run on every rank by the launcher: one result per case."""
+def verify_worker(rank: int, world_size: int, cases: list[VerifyCase], device: str = "cpu") -> list[dict]:
+    """Run on every rank by the launcher: one result per case (on `device`; results back on the CPU)."""
     from torch.utils import _pytree as pytree
 
     from .api import distribute
@@ -225,8 +225,8 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
     results = []
     for case in cases:
         model, inputs = build_case_model(case)
-        parts, part = data_share(case.plan, rank)
-        local = local_batch(inputs, parts, part)
+        model, parts, part = model.to(torch.device(device, torch.cuda.current_device()) if device == "cuda" else "cpu"), *data_share(case.plan, rank)
+        local = pytree.tree_map_only(torch.Tensor, lambda t: t.to(next(model.parameters()).device), local_batch(inputs, parts, part))
         # Every value is compared with the reference, so a replica that differs fails by its numbers.
         dm = distribute(model, case.plan, local, replicas="off")
         global_rows = batch_tensors(inputs)[0].shape[0]
@@ -241,8 +241,8 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase]) -> list[d
         loss.backward()
         results.append(
             {
-                "outputs": [o.detach() for o in outputs],
-                "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+                "outputs": [o.detach().cpu() for o in outputs],
+                "grads": {n: p.grad.detach().cpu().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
                 "placement": dm.placement,
                 "rows": rows,
                 "tokens": tokens,
@@ -266,9 +266,9 @@ def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: i
     per_mb = [pytree.tree_flatten(o)[0] for o in result.outputs]
     outputs = [torch.cat([mb[i] for mb in per_mb]) for i in range(len(per_mb[0]))] if per_mb else []
     return {
-        "outputs": outputs,
+        "outputs": [o.cpu() for o in outputs],
         "has_outputs": dm.is_last,
-        "grads": {n: p.grad.detach().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+        "grads": {n: p.grad.detach().cpu().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
         "placement": dm.placement,
     }
 
@@ -472,8 +472,8 @@ def compare(
     )
 
 
-def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float = 600.0) -> list[VerifyReport]:
-    """Launch `world_size` local gloo ranks, run every case, compare with the reference. What
+def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAULT_TOLERANCE, timeout_s: float = 600.0, device: str = "cpu") -> list[VerifyReport]:
+    """Launch `world_size` local ranks (gloo; NCCL on `device` "cuda", one GPU each), run every case, compare with the CPU reference. What
     fails without ranks (the plan, capture, a non-finite model, input or reference) fails
     here first, before any rank starts."""
     from .runtime.launcher import launch
@@ -492,7 +492,7 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
         references.append(checked_reference(case, world_size))
         full_precision.append(reference(case, world_size, full_precision=True) if case.plan.precision != "fp32" else None)
     collective_timeout_s = max(case.plan.collective_timeout_s for case in cases)
-    results = launch("commfx.verify:verify_worker", world_size, {"cases": cases}, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    results = launch("commfx.verify:verify_worker", world_size, {"cases": cases, "device": device}, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, device=device)
     return [
         compare(case, [r[i] for r in results], world_size, tolerance, references[i], full_precision[i]) for i, case in enumerate(cases)
     ]

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plan import PRECISIONS, Plan, PlanError
+from ..runtime.devices import DEVICES
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 from .simulate import add_parser as add_simulate_parser
@@ -136,6 +137,7 @@ def _dump_diff(args, plan: Plan, model, inputs) -> int:
 
 
 def cmd_verify(args) -> int:
+    from ..runtime.devices import check_device
     from ..verify import VerifyCase, verify
 
     check_local_world(args.world_size, f"--world-size {args.world_size}")
@@ -148,9 +150,11 @@ def cmd_verify(args) -> int:
         if mixed
         else f"a single-process float64 reference (tolerance {args.tolerance:g})"
     )
-    console.print(f"verifying {args.model} with passes {args.passes} on {args.world_size} gloo ranks against {against} ...", soft_wrap=True)
+    check_device(args.device, ranks_per_node=args.world_size)
+    transport = "NCCL ranks, one GPU each" if args.device == "cuda" else "gloo ranks"
+    console.print(f"verifying {args.model} with passes {args.passes} on {args.world_size} {transport} against {against} ...", soft_wrap=True)
     start = time.perf_counter()
-    (report,) = verify([case], args.world_size, tolerance=args.tolerance, timeout_s=args.timeout)
+    (report,) = verify([case], args.world_size, tolerance=args.tolerance, timeout_s=args.timeout, device=args.device)
     table = Table(title=f"{args.model}: distributed vs reference (max |difference|)")
     table.add_column("tensor")
     table.add_column("max abs diff", justify="right")
@@ -205,6 +209,7 @@ def memory_summary(memory: list[dict]) -> str:
 
 
 def cmd_run(args) -> int:
+    from ..runtime.devices import check_device
     from ..runtime.launcher import launch
     from ..train import TrainConfig
 
@@ -220,9 +225,11 @@ def cmd_run(args) -> int:
     config = TrainConfig(
         args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace,
         dtype=args.dtype, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or (args.steps if args.checkpoint_dir else 0),
-        resume=args.resume, export_dir=args.export,
+        resume=args.resume, export_dir=args.export, device=args.device,
     )
-    console.print(f"training {args.model} for {args.steps} steps on {args.world_size} local gloo ranks, passes {args.passes}")
+    check_device(args.device, ranks_per_node=args.world_size)
+    transport = "NCCL ranks, one GPU each" if args.device == "cuda" else "gloo ranks"
+    console.print(f"training {args.model} for {args.steps} steps on {args.world_size} local {transport}, passes {args.passes}")
     start = time.perf_counter()
     results = launch(
         "commfx.train:train_worker",
@@ -231,6 +238,7 @@ def cmd_run(args) -> int:
         timeout_s=args.timeout,
         collective_timeout_s=plan.collective_timeout_s,
         stream_rank0=True,
+        device=args.device,
     )
     history = results[0]["history"]
     if not history:
@@ -274,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_args(verify)
     verify.add_argument("--tolerance", type=non_negative_float, default=1e-10)
     verify.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
+    verify.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: the ranks on GPUs, one each, over NCCL; the reference stays on the CPU")
     verify.set_defaults(func=cmd_verify)
 
     run = sub.add_parser("run", help="train for a few steps on a local world")
@@ -284,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the per-step history to this JSON file")
     run.add_argument("--trace", help="write a Chrome/Perfetto timeline here (and one per rank: FILE.rankN.json)")
     run.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
+    run.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: one GPU per rank, NCCL between them (default cpu, gloo)")
     add_checkpoint_args(run)
     run.set_defaults(func=cmd_run)
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Topology
 from .hierarchical_a2a import PHASES, NodeLayout, hierarchical_all_to_all
 from .priority import Dispatcher, Pending
+from .stream_lanes import StreamLanes, lane_group_options
+from .works import Running, reduce_scatter_by_all_to_all, work_in_thread
 
 A2A_ALGORITHMS = ("flat", "hierarchical")
 
@@ -89,7 +91,7 @@ class CommScheduler:
     communication alone).
     """
 
-    def __init__(self, topology: Topology, rank: int, groups: dict[str, "GroupHandle"], *, timeout_s: float = 300.0):
+    def __init__(self, topology: Topology, rank: int, groups: dict[str, "GroupHandle"], *, timeout_s: float = 300.0, device_type: str = "cpu"):
         self.topology = topology
         self.rank = rank
         self.groups = groups
@@ -97,7 +99,7 @@ class CommScheduler:
         self.stats = CommStats()
         self.local_only = False
         self.records: list[CollectiveRecord] | None = None
-        self.dispatcher = Dispatcher()
+        self.dispatcher = StreamLanes() if device_type == "cuda" else Dispatcher()  # CUDA: NCCL streams, see stream_lanes.py
         self.a2a_algorithm = "flat"
         self._count_lock = threading.Lock()  # the dispatcher thread counts hierarchical phases
         self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
@@ -161,7 +163,7 @@ class CommScheduler:
         self._started[id(out)] = self.dispatcher.submit(Pending(kind, priority, group, tag, nbytes, issue))
         return out
 
-    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout, kind: str) -> "_Running":
+    def _hierarchical(self, out, x, send_rows, recv_rows, handle: "GroupHandle", layout: NodeLayout, kind: str) -> "Running":
         """Run a hierarchical all-to-all into `out` on a thread of its own (the dispatcher goes on
         to other lanes meanwhile): point-to-point messages on the group's own process group
         (this priority class's clone), only between ranks that exchange rows, each wait
@@ -188,7 +190,7 @@ class CommScheduler:
             hierarchical_all_to_all(x, send_rows, recv_rows, handle.rank, layout, exchange, count, short_receives=short_receives, out=out)
             self._count(kind, handle, dict(sent))
 
-        return _Running(run)
+        return Running(run)
 
     def wait_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Block until the collective that produces `t` is done (no-op if none is pending)."""
@@ -231,11 +233,11 @@ class CommScheduler:
         self._count(kind, handle, {handle.ranks[(handle.rank + 1) % handle.size]: (handle.size - 1) * payload // handle.size})
         if self.records is not None:
             self.records.append(CollectiveRecord(kind, group, (x.numel(),), (out.numel(),), (), x.dtype, priority))
-        if op == "reduce_scatter" and dist.get_backend(handle.pg) == "gloo":  # gloo's sends as much as an all-reduce
-            issue = lambda: _reduce_scatter_by_all_to_all(out, x, handle.pg)  # noqa: E731
+        if op == "reduce_scatter" and dist.get_backend(handle.pg) == "gloo" and not self.dispatcher.device_ordered:  # gloo's sends as much as an all-reduce
+            issue = lambda: reduce_scatter_by_all_to_all(out, x, handle.pg)  # noqa: E731
             return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
         collective = dist.reduce_scatter_tensor if op == "reduce_scatter" else dist.all_gather_into_tensor
-        issue = lambda: _work_in_thread(collective(out, x, group=handle.pg, async_op=True), self.timeout_s)  # noqa: E731 - gloo's works have no future
+        issue = lambda: self._handle(collective(out, x, group=handle.pg, async_op=True))  # noqa: E731
         return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue))
 
     def all_reduce(self, tensor: torch.Tensor, group: str, kind: str = "all_reduce", priority: str = DEFAULT_CLASS) -> torch.Tensor:
@@ -254,7 +256,7 @@ class CommScheduler:
         if self.local_only:
             return None
         tensor = tensor.contiguous()
-        issue = lambda: _work_in_thread(dist.isend(tensor, dst=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        issue = lambda: self._handle(dist.isend(tensor, dst=handle.ranks[peer], group=handle.pg))  # noqa: E731
         return self.dispatcher.submit(Pending(kind, priority, group, tag, payload, issue, lane=lane))
 
     def start_recv(self, out: torch.Tensor, group: str, peer: int, *, kind: str, priority: str, lane: str, tag: str = "") -> Pending | None:
@@ -265,7 +267,7 @@ class CommScheduler:
         if self.local_only:
             out.zero_()
             return None
-        issue = lambda: _work_in_thread(dist.irecv(out, src=handle.ranks[peer], group=handle.pg), self.timeout_s)  # noqa: E731
+        issue = lambda: self._handle(dist.irecv(out, src=handle.ranks[peer], group=handle.pg))  # noqa: E731
         return self.dispatcher.submit(Pending(kind, priority, group, tag, out.numel() * out.element_size(), issue, lane=lane))
 
     def all_gather_object(self, obj, group: str = "world") -> list:
@@ -290,7 +292,7 @@ class CommScheduler:
         if pending is None:
             return
         start = time.perf_counter()
-        finished = pending.done.wait(self.timeout_s)
+        finished = self.dispatcher.wait(pending, self.timeout_s)
         self.blocked_s += time.perf_counter() - start
         if not finished:
             raise CommError(
@@ -304,6 +306,11 @@ class CommScheduler:
             ) from pending.error
 
     # -- bookkeeping -------------------------------------------------------------------
+
+    def _handle(self, work):
+        """What the dispatcher waits on: the work itself where its wait orders the device
+        (NCCL), else a thread waiting on it (gloo's point-to-point works have no future)."""
+        return work if self.dispatcher.device_ordered else work_in_thread(work, self.timeout_s)
 
     def _count(self, kind: str, handle: "GroupHandle", bytes_to_rank: dict[int, int]) -> None:
         my_node = self.topology.node_of(self.rank)
@@ -323,53 +330,6 @@ class CommScheduler:
             return None
 
         self.wait(self.dispatcher.submit(Pending(kind, DEFAULT_CLASS, group, "", 0, issue)))
-
-
-class _Running:
-    """A function run to completion on its own thread, with the future the dispatcher waits on."""
-
-    def __init__(self, fn, name: str = "commfx-hierarchical-a2a"):
-        self._future = torch.futures.Future()
-
-        def run():
-            try:
-                fn()
-                self._future.set_result(None)
-            except BaseException as error:  # noqa: BLE001 - handed to the future
-                self._future.set_exception(error)
-
-        threading.Thread(target=run, name=name, daemon=True).start()
-
-    def get_future(self):
-        return self._future
-
-
-def _work_in_thread(work, timeout_s: float) -> _Running:
-    """gloo's point-to-point works have no future: wait for one on a helper thread so the
-    dispatcher (which expects `get_future()`) never blocks on a peer."""
-    return _Running(lambda: work.wait(timedelta(seconds=timeout_s)), name="commfx-p2p")
-
-
-class _Then:
-    """A work whose future completes once `fn` has run on the work's result."""
-
-    def __init__(self, work, fn):
-        def then(future):
-            future.value()  # re-raises the collective's error
-            fn()
-
-        self._future = work.get_future().then(then)
-
-    def get_future(self):
-        return self._future
-
-
-def _reduce_scatter_by_all_to_all(out: torch.Tensor, x: torch.Tensor, pg) -> _Then:
-    """A reduce-scatter as an all-to-all of the shards, summed here in rank order: each rank
-    sends (P-1)/P of `x`, as a ring reduce-scatter does (gloo's own sends an all-reduce's)."""
-    received = torch.empty_like(x)
-    work = dist.all_to_all_single(received, x.contiguous(), group=pg, async_op=True)
-    return _Then(work, lambda: torch.sum(received.view(-1, out.numel()), dim=0, out=out))
 
 
 # point-to-point tags of the hierarchical all-to-all's three exchanges (apart from other p2p on the group)
@@ -402,7 +362,7 @@ def group_key(name: str, priority: str = DEFAULT_CLASS) -> str:
     return name if priority == DEFAULT_CLASS else f"{priority}/{name}"
 
 
-def build_groups(topology: Topology, rank: int, timeout_s: float | None = None) -> dict[str, GroupHandle]:
+def build_groups(topology: Topology, rank: int, timeout_s: float | None = None, device_type: str = "cpu") -> dict[str, GroupHandle]:
     """Create every process group of the plan, once per priority class (collectively: all
     ranks call this, and create every group in the same order).
 
@@ -416,17 +376,18 @@ def build_groups(topology: Topology, rank: int, timeout_s: float | None = None) 
     world = list(range(topology.world_size))
     for priority in sorted(PRIORITY_CLASSES, key=lambda n: PRIORITY_CLASSES[n].level):
         wanted = PRIORITY_CLASSES[priority].groups
+        options = lane_group_options(device_type, priority)  # CUDA: classes that block compute get high-priority streams
         made: dict[tuple[int, ...], object] = {}  # one c10d group per rank list and class (dp is the world when pp = 1)
         for name, rank_lists in topology.process_groups().items():
             if wanted and name not in wanted:
                 continue
             for ranks in rank_lists:
-                if ranks == world and len(ranks) > 1 and priority == DEFAULT_CLASS:
+                if ranks == world and len(ranks) > 1 and priority == DEFAULT_CLASS and options is None:
                     pg = dist.group.WORLD
                 elif tuple(ranks) in made:
                     pg = made[tuple(ranks)]
                 elif len(ranks) > 1:
-                    pg = dist.new_group(ranks, **bound)  # collective over the world: every rank creates every group
+                    pg = dist.new_group(ranks, pg_options=options, **bound)  # collective over the world: every rank creates every group
                 else:
                     pg = None
                 made[tuple(ranks)] = pg

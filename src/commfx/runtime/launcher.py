@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .devices import check_device
 from .worker import PORT_TAKEN
 
 
@@ -81,18 +82,22 @@ def launch(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     stream_rank0: bool = False,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run `function` ("module:name", called as f(rank=, world_size=, **kwargs)) on every rank.
 
+    `device` "cuda" joins the ranks over NCCL (and gloo for CPU tensors), one GPU each
+    (see devices.py; refused here, before any rank starts, when the GPUs are too few).
     Returns each rank's return value, in rank order.
     """
+    check_device(device, ranks_per_node=world_size)  # every local rank runs on this machine
     with stop_on_signals():
         job = Path(tempfile.mkdtemp(prefix="commfx-job-"))
         procs: list[subprocess.Popen] = []
         try:
             (job / "job.pkl").write_bytes(
                 pickle.dumps(
-                    {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s}
+                    {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s, "device": device}
                 )
             )
             for attempt in range(1 if master_port else PORT_ATTEMPTS):

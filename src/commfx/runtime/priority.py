@@ -53,6 +53,7 @@ class Pending:
     t_issue: float = 0.0
     t_done: float = 0.0
     lane: str = ""  # a lane of its own inside the class (pipeline sends and receives); "" = the class's lane
+    work: object | None = None  # on a device-ordered lane (StreamLanes): the c10d work to wait on
 
     @property
     def lane_key(self) -> str:
@@ -61,6 +62,8 @@ class Pending:
 
 class Dispatcher:
     """Issues pending collectives lane by lane on a background thread (see module doc)."""
+
+    device_ordered = False  # issues return host-side works (gloo): a thread waits on those without futures
 
     def __init__(self, enforce_priority: bool = True):
         self.enforce_priority = enforce_priority
@@ -89,6 +92,10 @@ class Dispatcher:
             self._cond.notify_all()
         return pending
 
+    def wait(self, pending: Pending, timeout_s: float) -> bool:
+        """Block the host until `pending` is done; False when `timeout_s` passed first."""
+        return pending.done.wait(timeout_s)
+
     def _next(self) -> Pending | None:
         """The next collective allowed on the wire, or None (caller holds the lock)."""
         name = next_lane(self._lanes, self._in_flight, self._class_of, self.enforce_priority)
@@ -114,7 +121,7 @@ class Dispatcher:
             if work is None:
                 self._finish(pending, None)
             else:
-                work.get_future().add_done_callback(lambda future, p=pending: self._finish(p, _error_of(future)))
+                work.get_future().add_done_callback(lambda future, p=pending: self._finish(p, error_of(future)))
 
     def _finish(self, pending: Pending, error: BaseException | None) -> None:
         pending.t_done = time.perf_counter()
@@ -141,7 +148,7 @@ def next_lane(lanes: dict[str, deque], in_flight: dict[str, object], class_of: d
     return None
 
 
-def _error_of(future) -> BaseException | None:
+def error_of(future) -> BaseException | None:
     try:
         future.value()
     except BaseException as error:  # noqa: BLE001

@@ -65,8 +65,8 @@ def _exists(pid: int) -> bool:
 PORT_TAKEN = 75
 
 
-def join_world(job_name: str, rank: int, world_size: int, timeout: timedelta) -> None:
-    """Join this job's gloo world. Rank 0 hosts the rendezvous store on MASTER_PORT. Every key
+def join_world(job_name: str, rank: int, world_size: int, timeout: timedelta, device: str = "cpu") -> None:
+    """Join this job's world: gloo, or on CUDA NCCL and gloo with this rank's GPU bound (devices.py). Rank 0 hosts the rendezvous store on MASTER_PORT. Every key
     is under the job's name, so a rank of another job that was given the same port cannot
     join this world: it waits for its own job's keys until its launcher stops it."""
     import torch.distributed as dist
@@ -78,7 +78,11 @@ def join_world(job_name: str, rank: int, world_size: int, timeout: timedelta) ->
         if rank == 0 and "EADDRINUSE" in str(error):
             os._exit(PORT_TAKEN)
         raise
-    dist.init_process_group("gloo", store=dist.PrefixStore(job_name, store), rank=rank, world_size=world_size, timeout=timeout)
+    from .devices import bind_rank, process_group_backend
+
+    bind_rank(device, rank)  # every rank of a local launch is on this machine: local rank = rank
+    backend = process_group_backend(device)
+    dist.init_process_group(backend, store=dist.PrefixStore(job_name, store), rank=rank, world_size=world_size, timeout=timeout)
 
 
 def main(job_dir: str, rank_text: str) -> int:
@@ -92,7 +96,7 @@ def main(job_dir: str, rank_text: str) -> int:
         import torch.distributed as dist
 
         world_size = job["world_size"]
-        join_world(job_path.name, rank, world_size, timedelta(seconds=job["collective_timeout_s"]))
+        join_world(job_path.name, rank, world_size, timedelta(seconds=job["collective_timeout_s"]), job.get("device", "cpu"))
         module_name, _, function_name = job["function"].partition(":")
         function = getattr(importlib.import_module(module_name), function_name)
         result = function(rank=rank, world_size=world_size, **job["kwargs"])
