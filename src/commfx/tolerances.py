@@ -12,7 +12,8 @@ def mixed_precision_tolerance(reference: torch.Tensor, ranks: int, tokens: int, 
 
     Both runs round the same per-token values the same way; what differs is how reductions
     over tokens are split. The distributed run sums a reduction (a weight gradient over the
-    tokens) as R partial products, one per data-parallel rank, each rounded once to bf16, and
+    tokens) as R partial products, one per data-parallel rank (and per tensor-parallel rank: a
+    parameter every tp rank uses, a norm's inside a split block, sums tp partials too), each rounded once to bf16, and
     adds them in fp32; the reference rounds the whole sum once. Each rounding is within
     eps(bf16)/2 of its value, so R + 1 roundings differ by at most (R + 1) x eps/2 of the
     largest partial; the fp32 accumulation of a reduction of length n (the global tokens, the

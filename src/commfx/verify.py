@@ -441,8 +441,8 @@ def compare(
     low_precision = low_precision_tolerances(case, ref_grads, tolerance)
     mixed: dict = {}
     if case.plan.precision != "fp32":
-        ranks, tokens = topology.dp, sum(r["tokens"] for r in rank_results) // (tp * topology.pp)
-        formula = f"{MIXED_PRECISION_FORMULA}, R = {ranks} data-parallel ranks, n = {tokens} tokens"
+        ranks, tokens = topology.dp * tp, sum(r["tokens"] for r in rank_results) // (tp * topology.pp)
+        formula = f"{MIXED_PRECISION_FORMULA}, R = {ranks} partial sums (data- x tensor-parallel ranks), n = {tokens} tokens"
         for name, ref in ref_grads.items():
             if name in grad_diffs:
                 low_precision[name] = (max(tolerance, mixed_precision_tolerance(ref, ranks, tokens, case.plan.precision)), formula)

@@ -112,11 +112,7 @@ if hasattr(torch.nn.functional, "rms_norm"):
 
 # Passes that cannot take a mixed-precision graph yet, and why (the pass manager refuses them by name).
 REFUSED_UNDER_MIXED_PRECISION: dict[str, str] = {
-    "tensor_parallel": (
-        "its recognisers look for linears that read a block's input and whose weights are parameters, and under "
-        "mixed precision every linear reads a bf16 cast of its input and of its weight"
-    ),
-    "resize_tp": "it resizes the shards tensor_parallel makes, and tensor_parallel is refused under mixed precision",
+    "resize_tp": "its unit functions re-plan tensor_parallel's blocks from float32 linears, and do not read through the bf16 casts yet",
 }
 
 

@@ -32,7 +32,7 @@ from ..compiler.regions import TPBlock
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, divisors
 from .base import Pass, PassError, register
-from .tp_blocks import Block, NotABlock, bias_of, is_linear, plan_block, regions_innermost_first
+from .tp_blocks import Block, NotABlock, bias_of, is_linear, plan_block, regions_innermost_first, uncast
 from ..compiler.shard_propagation import Sizes, Unsupported
 from .tp_units import unit_function
 
@@ -208,14 +208,14 @@ def _rewrite_block(rw: Rewriter, block: Block, tp: int, shards: dict) -> dict[fx
         for consumer in consumers:
             consumer.replace_input_with(value, copy)
     for column in block.columns:
-        weight, bias = column.args[1], bias_of(column)
+        weight, bias = uncast(column.args[1]), uncast(bias_of(column))
         shards[weight.target] = _spec(0, block.layouts[column], tp)
         if isinstance(bias, fx.Node):
             shards[bias.target] = _spec(0, block.layouts[column], tp)
         stamp(column, PASS, f"column-parallel: {block.layouts[column][1] // tp} of {block.layouts[column][1]} heads/columns")
     row = block.row
-    weight, bias = row.args[1], bias_of(row)
-    shards[weight.target] = _spec(1, block.row_layout, tp)
+    weight, bias = row.args[1], bias_of(row)  # under mixed precision, casts of the parameters
+    shards[uncast(weight).target] = _spec(1, block.row_layout, tp)
     row.args = (row.args[0], weight, None)
     row.kwargs = {}
     stamp(row, PASS, "row-parallel: partial products over this rank's heads/columns")

@@ -33,10 +33,18 @@ class NotABlock(Exception):
     pass
 
 
+def uncast(node):
+    """The value under the casts `Plan(precision=...)` wrote into the graph (a linear under bf16
+    reads a bf16 cast of its input and of its weight); any other value as it is."""
+    while isinstance(node, fx.Node) and (node.meta.get("commfx") or {}).get("pass") == "precision" and op_name(node) == "to":
+        node = node.args[0]
+    return node
+
+
 def is_linear(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
         return False
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    weight = uncast(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
     return isinstance(weight, fx.Node) and weight.op == "get_attr" and ndim_of(weight) == 2
 
 
@@ -52,7 +60,7 @@ def regions_innermost_first(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
 
 def plan_block(graph: fx.Graph, path: str, nodes: list[fx.Node], linears: list[fx.Node], tp: int, sizes: "Sizes") -> Block:
     region = set(nodes)
-    columns = [n for n in linears if n.args[0] not in region]
+    columns = [n for n in linears if uncast(n.args[0]) not in region]
     rows = [n for n in linears if n not in columns]
     if not rows or not columns:
         raise NotABlock
@@ -62,10 +70,10 @@ def plan_block(graph: fx.Graph, path: str, nodes: list[fx.Node], linears: list[f
             "(e.g. latent attention's down- and up-projections)"
         )
     row = rows[0]
-    if len({c.args[0] for c in columns}) != 1:
+    if len({uncast(c.args[0]) for c in columns}) != 1:
         raise Unsupported("its column linears read different inputs")
     for linear in linears:
-        weight = linear.args[1]
+        weight = uncast(linear.args[1])
         if len(weight.users) != 1 or sum(1 for n in graph.nodes if n.op == "get_attr" and n.target == weight.target) != 1:
             raise Unsupported(f"weight {weight.target} is used elsewhere too (tied)")
     shards: dict[fx.Node, object] = {}
@@ -74,7 +82,8 @@ def plan_block(graph: fx.Graph, path: str, nodes: list[fx.Node], linears: list[f
         layouts[column] = _column_layout(column, region, sizes)
         _check_units(layouts[column], tp, column)
         shards[column] = Shard(-1, layouts[column])
-    copies: dict[fx.Node, list[fx.Node]] = {columns[0].args[0]: list(columns)}
+    # the replicated input enters through one tp_copy, ahead of each column's cast of it (if any)
+    copies: dict[fx.Node, list[fx.Node]] = {uncast(columns[0].args[0]): [_entry(c) for c in columns]}
     rewrites: list[tuple[fx.Node, tuple, dict]] = []
     row_layout = None
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -104,6 +113,14 @@ def plan_block(graph: fx.Graph, path: str, nodes: list[fx.Node], linears: list[f
     if row_layout is None:
         raise Unsupported(f"the split values never reach the output linear {row.name}")
     return Block(path, columns, row, layouts, row_layout, copies, rewrites)
+
+
+def _entry(column: fx.Node) -> fx.Node:
+    """The node that reads the block's input for `column`: its precision cast, or itself."""
+    node = column
+    while node.args[0] is not uncast(node.args[0]):
+        node = node.args[0]
+    return node
 
 
 def _check_units(layout, tp, node):
