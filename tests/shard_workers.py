@@ -79,3 +79,48 @@ def misuse(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         said["backward"] = str(error)
     return said
+
+
+def train_pipeline_plans(rank: int, world_size: int, plans: list[str], bucket_bytes: int = 2048) -> dict:
+    """pp=2 x dp=2, per plan: STEPS AdamW steps of gpt-moe (float64, an LR scheduler),
+    each step's loss on the last stage, this stage's parameters after them and after one more
+    step of a fresh optimizer that loaded the first one's state_dict, and the bytes held."""
+    import copy
+    import dataclasses
+
+    from commfx.verify import local_batch, data_share
+    from pipeline_workers import lm_loss
+
+    model, (ids,) = load_model("gpt-moe", dtype=torch.float64, batch=8, seq=8)
+    results = {}
+    for passes in plans:
+        plan = dataclasses.replace(Plan.from_cli(passes, world_size=world_size, pp=2), grad_bucket_bytes=bucket_bytes)
+        local = local_batch((ids,), *data_share(plan, rank))
+        dm = distribute(copy.deepcopy(model), plan, local)
+        optimizer = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+        def step(opt):
+            opt.zero_grad(set_to_none=True)
+            result = dm.step(*local, loss_fn=lambda outputs, mb: lm_loss(outputs, mb.inputs[0]))
+            opt.step()
+            return result.loss
+
+        losses = []
+        for _ in range(STEPS):
+            losses.append(step(optimizer))
+            schedule.step()
+        memory = held_bytes(dm, optimizer)
+        params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+        saved = optimizer.state_dict()
+        resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+        resumed.load_state_dict(saved)
+        step(resumed)
+        results[passes] = {
+            "losses": [None if loss is None else float(loss) for loss in losses],
+            "params": params,
+            "resumed": {n: p.detach().clone() for n, p in dm.module.named_parameters()},
+            "memory": memory,
+            "stage": dm.stage_index,
+        }
+    return results

@@ -65,12 +65,36 @@ def test_sharded_steps_equal_replicated_steps_and_hold_less():
         assert "make that optimizer before the first backward" in said["backward"]
 
 
+PIPELINE = "lift,expert_parallel,pipeline_split"
+
+
+@pytest.mark.distributed
+def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
+    """pp=2 x dp=2: each stage's optimizer state (stage 1) and reduced gradients (stage 2)
+    sharded over its own dp group; the tied embedding's over the first and last stages."""
+    plans = [PIPELINE, f"{PIPELINE},shard_states:stage=1", f"{PIPELINE},shard_states:stage=2"]
+    results = launch("shard_workers:train_pipeline_plans", 4, {"plans": plans}, timeout_s=400, collective_timeout_s=90)
+    for rank, result in enumerate(results):
+        want = result[PIPELINE]
+        for sharded in plans[1:]:
+            got = result[sharded]
+            if want["losses"][0] is not None:  # the last stage holds the loss
+                torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=1e-12)
+            assert want["params"] and got["params"].keys() == want["params"].keys()
+            for name, value in want["params"].items():
+                torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-12, msg=f"rank {rank} {sharded} {name}")
+                torch.testing.assert_close(got["resumed"][name], want["resumed"][name], rtol=0, atol=1e-12, msg=f"reloaded {sharded} {name}")
+            assert got["memory"]["optimizer_state"] < want["memory"]["optimizer_state"], (rank, sharded)
+        assert result[plans[2]]["memory"]["gradients"] < want["memory"]["gradients"], rank
+    assert {r[PIPELINE]["stage"] for r in results} == {0, 1}
+
+
 @pytest.mark.parametrize(
     "passes, topology, message",
     [
         ("lift,shard_states:stage=0", {}, "stage must be 1, 2 or 3"),
-        ("lift,pipeline_split,shard_states", {"pp": 2}, "shard_states does not work with pipeline_split"),
-        ("lift,shard_states,pipeline_split", {"pp": 2}, "shard_states does not work with pipeline_split"),
+        ("lift,pipeline_split,shard_states:stage=3", {"pp": 2}, "shard_states:stage=3 does not work with pipeline_split"),
+        ("lift,shard_states:stage=3,pipeline_split", {"pp": 2}, "shard_states:stage=3 does not work with pipeline_split"),
         ("lift,tensor_parallel,shard_states", {"tp": 2}, "does not work with tensor_parallel"),
         ("lift,expert_parallel,shard_states,defer_grad_sync", {}, "shard_states does not work with defer_grad_sync"),
         ("lift,expert_parallel,pack_experts,shard_states:stage=2", {}, "does not work with pack_experts"),

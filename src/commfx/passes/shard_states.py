@@ -37,7 +37,6 @@ STAGES = (1, 2, 3)
 # Passes whose work the sharded step does not handle yet -> why: refused by name, in either order
 # (check_plan), since each needs its own sharding rather than another place in the list.
 REFUSED_PASSES = {
-    "pipeline_split": "each stage would need its own buckets and dp group; sharding per stage is not built yet",
     "tensor_parallel": "its sharded linears are not bucketed over dp alone yet",
     "resize_tp": "its migrations move optimizer state, which is sharded here",
     "defer_grad_sync": "a deferred gradient's late step would have to reduce-scatter and all-gather on its own",
@@ -66,8 +65,13 @@ class ShardStates(RuntimeSetting):
         for name in plan.pass_names():
             if name in REFUSED_PASSES:
                 raise PlanError(f"shard_states does not work with {name} yet: {REFUSED_PASSES[name]}; drop one of them")
-        if plan.topology.pp > 1 or plan.topology.tp > 1:
-            raise PlanError("shard_states needs pp = tp = 1 for now (it shards over the whole data-parallel world)")
+        if options.stage >= 3 and "pipeline_split" in plan.pass_names():
+            raise PlanError(
+                "shard_states:stage=3 does not work with pipeline_split yet: a stage would gather each bucket around its uses "
+                "in every micro-batch; use shard_states:stage=1 or 2, which shard each stage's state over its dp group"
+            )
+        if plan.topology.tp > 1:
+            raise PlanError("shard_states needs tp = 1 for now (its buckets are cut over the data-parallel group alone)")
 
     @classmethod
     def value(cls, options: Options) -> dict:
@@ -96,6 +100,8 @@ def layout_notes(program: Program, stage: int, bucket_bytes: int, plan: Plan) ->
     after = ("then the updated shards all-gathered into the parameters" if stage < 3 else
              "each bucket's parameters all-gathered before its first use in forward and in backward (the next bucket prefetched), freed after its last")
     notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {bucket_bytes:,} bytes {reduce}, {after}"]
+    if plan.topology.pp > 1:  # the stages are cut after this pass: each buckets its own parameters over its own dp group
+        return notes + ["shard_states: per pipeline stage: each stage cuts its own parameters into buckets over its dp group"]
     for index, (group, members) in enumerate(buckets):
         numel = sum(entries[i].numel for i in members)
         parts = sizes.get(group, 1)

@@ -37,6 +37,7 @@ from ...plan import Plan
 from ..comm import CommScheduler, install_default
 from ..executor import GraphExecutor
 from ..grad_sync import GradientSync, Slot
+from ..state_shards import ShardedGradSync
 from ..module import graph_inputs
 from .schedule import actions, critical_backwards
 
@@ -305,7 +306,10 @@ class PipelineModule(torch.nn.Module):
         # group None: GradientSync passes these through; the codec reduces them (_reduce_gradients)
         slots = [Slot(name, p, None if name in compressed else group(name)) for name, p in params]
         scales = {slot.group: self.plan.grad_scale_for(slot.group) for slot in slots}  # expert gradients: 1/(dp x tp)
-        sync = GradientSync(slots, self.scheduler, scale=self.plan.grad_scale, scales=scales, bucket_bytes=self.plan.grad_bucket_bytes)
+        sharded = self.program.runtime.shard_states  # ZeRO 1/2: this stage's state sharded over its dp group
+        bucket_bytes = (sharded.get("bucket_bytes") if sharded else 0) or self.plan.grad_bucket_bytes
+        options = dict(scale=self.plan.grad_scale, scales=scales, bucket_bytes=bucket_bytes)
+        sync = ShardedGradSync(slots, self.scheduler, stage=sharded["stage"], **options) if sharded else GradientSync(slots, self.scheduler, **options)
         shared_slots = [Slot(name, p, "pp_ends") for name, p in params if name in shared and not fused]
         return sync, (GradientSync(shared_slots, self.scheduler, scale=1.0) if shared_slots else None)
 
@@ -315,8 +319,8 @@ class PipelineModule(torch.nn.Module):
                 continue
             for slot, s in enumerate(sync.slots):
                 sync.ready(slot, s.param.grad)
-            for slot, reduced in sync.finish().items():
-                sync.slots[slot].param.grad = reduced.clone()
+            for slot, reduced in sync.finish().items():  # None under shard_states:stage=2: the bucket's shard holds it
+                sync.slots[slot].param.grad = None if reduced is None else reduced.clone()
         if self.dp_compressed:
             grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.dp_compressed}
             reduce = lambda t: self.scheduler.all_reduce(t, "dp", kind="grad_powersgd", priority="grad")  # noqa: E731
