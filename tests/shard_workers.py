@@ -111,11 +111,13 @@ def train_pipeline_plans(rank: int, world_size: int, plans: list[str], bucket_by
             losses.append(step(optimizer))
             schedule.step()
         memory = held_bytes(dm, optimizer)
-        params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
         saved = optimizer.state_dict()
+        dm.synchronize()  # stage 3: every parameter whole until the next step
+        params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
         resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
         resumed.load_state_dict(saved)
         step(resumed)
+        dm.synchronize()
         results[passes] = {
             "losses": [None if loss is None else float(loss) for loss in losses],
             "params": params,

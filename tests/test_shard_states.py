@@ -70,9 +70,9 @@ PIPELINE = "lift,expert_parallel,pipeline_split"
 
 @pytest.mark.distributed
 def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
-    """pp=2 x dp=2: each stage's optimizer state (stage 1) and reduced gradients (stage 2)
-    sharded over its own dp group; the tied embedding's over the first and last stages."""
-    plans = [PIPELINE, f"{PIPELINE},shard_states:stage=1", f"{PIPELINE},shard_states:stage=2"]
+    """pp=2 x dp=2: each stage's optimizer state (stage 1), reduced gradients (stage 2) and
+    parameters between steps (stage 3) sharded over its own dp group."""
+    plans = [PIPELINE, *(f"{PIPELINE},shard_states:stage={s}" for s in (1, 2, 3))]
     results = launch("shard_workers:train_pipeline_plans", 4, {"plans": plans}, timeout_s=400, collective_timeout_s=90)
     for rank, result in enumerate(results):
         want = result[PIPELINE]
@@ -86,6 +86,7 @@ def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
                 torch.testing.assert_close(got["resumed"][name], want["resumed"][name], rtol=0, atol=1e-12, msg=f"reloaded {sharded} {name}")
             assert got["memory"]["optimizer_state"] < want["memory"]["optimizer_state"], (rank, sharded)
         assert result[plans[2]]["memory"]["gradients"] < want["memory"]["gradients"], rank
+        assert result[plans[3]]["memory"]["parameters"] < want["memory"]["parameters"], rank  # held after the step: shards
     assert {r[PIPELINE]["stage"] for r in results} == {0, 1}
 
 
@@ -93,8 +94,6 @@ def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
     "passes, topology, message",
     [
         ("lift,shard_states:stage=0", {}, "stage must be 1, 2 or 3"),
-        ("lift,pipeline_split,shard_states:stage=3", {"pp": 2}, "shard_states:stage=3 does not work with pipeline_split"),
-        ("lift,shard_states:stage=3,pipeline_split", {"pp": 2}, "shard_states:stage=3 does not work with pipeline_split"),
         ("lift,tensor_parallel,shard_states", {"tp": 2}, "does not work with tensor_parallel"),
         ("lift,expert_parallel,shard_states,defer_grad_sync", {}, "shard_states does not work with defer_grad_sync"),
         ("lift,expert_parallel,pack_experts,shard_states:stage=2", {}, "does not work with pack_experts"),

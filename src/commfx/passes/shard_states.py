@@ -65,11 +65,6 @@ class ShardStates(RuntimeSetting):
         for name in plan.pass_names():
             if name in REFUSED_PASSES:
                 raise PlanError(f"shard_states does not work with {name} yet: {REFUSED_PASSES[name]}; drop one of them")
-        if options.stage >= 3 and "pipeline_split" in plan.pass_names():
-            raise PlanError(
-                "shard_states:stage=3 does not work with pipeline_split yet: a stage would gather each bucket around its uses "
-                "in every micro-batch; use shard_states:stage=1 or 2, which shard each stage's state over its dp group"
-            )
         if plan.topology.tp > 1:
             raise PlanError("shard_states needs tp = 1 for now (its buckets are cut over the data-parallel group alone)")
 
@@ -101,7 +96,8 @@ def layout_notes(program: Program, stage: int, bucket_bytes: int, plan: Plan) ->
              "each bucket's parameters all-gathered before its first use in forward and in backward (the next bucket prefetched), freed after its last")
     notes = [f"shard_states: stage {stage}: {what} sharded; buckets of <= {bucket_bytes:,} bytes {reduce}, {after}"]
     if plan.topology.pp > 1:  # the stages are cut after this pass: each buckets its own parameters over its own dp group
-        return notes + ["shard_states: per pipeline stage: each stage cuts its own parameters into buckets over its dp group"]
+        gathered = "; stage 3 gathers a stage's buckets once per step, for all its micro-batches" if stage >= 3 else ""
+        return notes + [f"shard_states: per pipeline stage: each stage cuts its own parameters into buckets over its dp group{gathered}"]
     for index, (group, members) in enumerate(buckets):
         numel = sum(entries[i].numel for i in members)
         parts = sizes.get(group, 1)

@@ -125,6 +125,7 @@ class PipelineModule(torch.nn.Module):
         mean loss gives the gradient of the mean over the whole batch.
         """
         inputs = graph_inputs(self.program, args, kwargs, "Re-capture for new inputs is not supported with pipeline_split yet")
+        self.synchronize()  # shard_states:stage=3: this stage's buckets gathered once for every micro-batch
         microbatches = self._cut(inputs)
         count = len(microbatches)
         scale = 1.0 / count if scale_grads else 1.0
@@ -328,6 +329,14 @@ class PipelineModule(torch.nn.Module):
             reduced = self.stage.dp_codec.reduce(grads, self.dp_codec_state, reduce, group_size, self.plan.grad_scale_for("dp"))
             for name, p in self.dp_compressed:
                 p.grad = reduced[name]
+
+    def synchronize(self) -> None:
+        """Under shard_states:stage=3, all-gather this stage's parameters, whole until the
+        optimizer step frees them (once per step, not per micro-batch: torchtitan runs FSDP
+        under pipelining the same way, reshard_after_forward=False); a no-op otherwise."""
+        gather = getattr(self.grad_sync, "params", None)
+        if gather is not None:
+            gather.gather_all()
 
     # -- state ----------------------------------------------------------------------------
 
