@@ -449,3 +449,21 @@ def recapture_refused(rank: int, world_size: int, cases: list) -> dict:
     except TypeError as error:
         errors["spmd"] = str(error)
     return errors
+
+
+def measured_machine(rank: int, world_size: int) -> dict:
+    """Plan(machine="measure") on gpt-moe-tiny with partition_a2a's k left to the cost model:
+    the figures each rank compiled with, and the chunks it chose."""
+    import dataclasses
+
+    model, (ids,) = load_model("gpt-moe-tiny")
+    local = (split_batch(ids, world_size, rank),)
+    plan = dataclasses.replace(Plan.from_cli("lift,expert_parallel,partition_a2a", world_size=world_size), machine="measure")
+    dm = distribute(model, plan, local)
+    dm(*local).sum().backward()  # the measured plan trains
+    chunks = sorted({n.args[-1].rsplit(" ", 1)[-1] for n in dm.module.graph.nodes if "all_to_all" in str(n.target) and isinstance(n.args[-1], str)})
+    return {
+        "notes": [n for n in dm.program.notes if n.startswith("machine measured")],
+        "chunks": chunks,
+        "probe_bytes": sum(v for k, v in dm.scheduler.stats.intra_node_bytes.items() if k == "machine_probe"),
+    }

@@ -10,7 +10,7 @@ import difflib
 import torch
 import torch.distributed as dist
 
-from .compiler.capture import split_inputs, tokens_of
+from .compiler.capture import capture, split_inputs, tokens_of
 from .compiler.lower import compile_training
 from .compiler.pipeline import compile_program
 from .compiler.program import Program
@@ -19,6 +19,7 @@ from .compiler.pass_manager import check_plan
 from .plan import Plan, PlanError, said_once_per_node
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.devices import module_device_type
+from .runtime.machine_probe import expert_work_shape, measure, measured_topology
 from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
 from .runtime.pipeline.module import PipelineModule
@@ -76,7 +77,16 @@ def distribute(
         # the same on every rank); at run time the module does the same (see DistributedModule).
         args, kwargs = tuple(stand_in_row(t) for t in args), {k: stand_in_row(t) for k, t in kwargs.items()}
     tokens = max(scheduler.all_gather_object(tokens_of((*args, *kwargs.values()))))
-    program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens)
+    measured, captured = None, None
+    if plan.machine == "measure":  # the cost models read this machine's figures, agreed by every rank
+        captured = capture(model, args, kwargs)
+        lifted = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens, captured=captured, stop_after="lift")
+        shape = expert_work_shape(lifted, tokens)  # timed at the model's own expert shape
+        measured = measure(scheduler, plan.topology, compute_dtype(model, plan), next(model.parameters()).device, shape)
+        plan = dataclasses.replace(plan, topology=measured_topology(plan.topology, measured))
+    program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens, captured=captured)
+    if measured is not None:
+        program.notes.append(measured.describe())
     program.parent = None  # the programs before each pass hold the full-size weights sharding is about to drop
     _check_same_graph(scheduler, program)
     ranks = {name: handle.rank for name, handle in groups.items() if "/" not in name}
@@ -85,6 +95,13 @@ def distribute(
     placement = shard_parameters(program, ranks)
     recapture = _recapture_for(model, program, plan, scheduler, tokens)
     return DistributedModule(program, plan, scheduler, placement, compile_training, recapture)
+
+
+def compute_dtype(model: torch.nn.Module, plan: Plan) -> torch.dtype:
+    """The dtype the model's matmuls run in: the plan's precision, else its parameters'."""
+    from .compiler.precision import precision_dtype
+
+    return precision_dtype(plan.precision) if plan.precision != "fp32" else next(model.parameters()).dtype
 
 
 def _recapture_for(model: torch.nn.Module, program: Program, plan: Plan, scheduler: CommScheduler, tokens: int):

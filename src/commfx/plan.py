@@ -181,6 +181,7 @@ class Topology:
 
 # The plan's precision settings (their dtypes live with the transform: compiler.precision).
 PRECISIONS = ("fp32", "bf16")
+MACHINE_FIGURES = ("given", "measure")  # Plan.machine: the topology's figures as written, or timed on the ranks
 
 
 def divisors(n: int) -> list[int]:
@@ -240,6 +241,11 @@ class Plan:
     # all-reduce bytes; each rank's gradient and the sum rounded to bf16, the result returned in
     # the parameters' dtype). Not under shard_states or pipeline_split, whose syncs are their own.
     grad_reduce_dtype: str = "fp32"
+    # Where the cost models' figures (compute rate, per-collective overhead, link bandwidth) come
+    # from: "given", the topology's as written (the same choices on any machine: what `commfx
+    # dump` shows); "measure", timed on the ranks before compiling (runtime/machine_probe.py),
+    # what `commfx run` and `commfx bench` do unless figures are given.
+    machine: str = "given"
 
     @classmethod
     def from_cli(cls, passes: str, world_size: int | None = None, **topology: Any) -> "Plan":
@@ -279,6 +285,8 @@ class Plan:
             )
         if self.grad_reduce_dtype not in PRECISIONS:
             raise PlanError(f"grad_reduce_dtype must be one of {', '.join(PRECISIONS)}, got {self.grad_reduce_dtype!r} (--grad-reduce)")
+        if self.machine not in MACHINE_FIGURES:
+            raise PlanError(f"machine must be one of {', '.join(MACHINE_FIGURES)}, got {self.machine!r} (--machine)")
         own_sync = [name for name in ("shard_states", "pipeline_split") if name in self.pass_names()]
         if self.grad_reduce_dtype != "fp32" and own_sync:
             raise PlanError(

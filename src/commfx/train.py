@@ -115,6 +115,9 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     tensors = batch_tensors(local)
     dm = distribute(model, config.plan, local)
     pipelined = isinstance(dm, PipelineModule)
+    if rank == 0:  # Plan(machine="measure"): what the cost models were given
+        for note in (n for n in dm.program.notes if n.startswith("machine measured")):
+            print(note, flush=True)
     if rank == 0 and config.dump_path:
         with open(config.dump_path, "w") as f:
             f.write(render(dm.module))

@@ -158,6 +158,8 @@ def render(result: BenchResult, console) -> None:
     for p in result.plans:
         for line in p.placement_decisions:
             console.print(f"{p.label}: pack_experts re-placed {line}", markup=False)
+        for line in p.choices:
+            console.print(f"{p.label}: {line}", markup=False)
     if result.paired_wall_ratio is not None:
         r = result.paired_wall_ratio
         console.print(

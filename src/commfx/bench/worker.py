@@ -78,6 +78,9 @@ class _Runner:
     def decisions(self) -> list[str]:
         return []
 
+    def choices(self) -> list[str]:
+        return []
+
     @property
     def placement_lines(self) -> list[str]:
         return []
@@ -226,6 +229,10 @@ class _PlanRunner(_Runner):
         finally:
             self.dm.timeline, self.scheduler.dispatcher.history = None, None
 
+    def choices(self) -> list[str]:
+        """The measured machine and the cost models' choices made from it (the same on every rank)."""
+        return [n for n in self.dm.program.notes if n.startswith(("machine measured", "partition_a2a:"))]
+
     def decisions(self) -> list[str]:
         """What resize_tp's controller did (the same on every rank)."""
         if self.controller is None:
@@ -352,6 +359,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
     _report_progress(progress, total, total, "done")
     for runner in runners:
         runner.samples["decisions"] = runner.decisions()
+        runner.samples["choices"] = runner.choices()
         runner.samples["placement_decisions"] = runner.placement_lines
     if config.trace_dir:
         for runner in runners:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..plan import MACHINE_FIGURES
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 
 __all__ = ["add_parser"]
@@ -43,6 +44,9 @@ def add_parser(subparsers) -> None:
                         help="fixed cost per collective the cost models assume (default 20e-6; see a --trace)")
     parser.add_argument("--grad-bucket-bytes", type=positive_int, default=None,
                         help="gradient all-reduce bucket size for every plan (default: the plan's, 1 MiB)")
+    parser.add_argument("--machine", choices=MACHINE_FIGURES, default=None,
+                        help="where the cost models' figures come from: measure (the default, unless --flops-per-rank or "
+                             "--collective-overhead is given) times each plan's ranks before it compiles; given uses the topology's")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="every commfx plan's precision: bf16 keeps float32 master weights, computes in bfloat16 and moves "
                              "bfloat16 all-to-all rows (peers run as they are)")
@@ -170,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
         slow_method=args.slow_method, healthy=tuple(args.healthy),
-        plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce},
+        plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce, "machine": _machine(args)},
     )
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))
@@ -186,3 +190,10 @@ def _run(args: argparse.Namespace) -> int:
             json.dump(result.as_dict(), f, indent=2, default=str)
         console.print(f"wrote {args.json}", markup=False)
     return 0
+
+
+def _machine(args) -> str:
+    """--machine, or measure unless a figure was given by hand."""
+    if args.machine:
+        return args.machine
+    return "given" if args.flops_per_rank or args.collective_overhead is not None else "measure"

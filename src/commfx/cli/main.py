@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..plan import PRECISIONS, Plan, PlanError
+from ..plan import MACHINE_FIGURES, PRECISIONS, Plan, PlanError
 from ..runtime.devices import DEVICES
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
@@ -215,7 +215,7 @@ def cmd_run(args) -> int:
 
     check_local_world(args.world_size, f"--world-size {args.world_size}")
     check_output_paths({"--dump": args.dump, "--json": args.json, "--trace": args.trace})
-    plan = _plan(args)
+    plan = dataclasses.replace(_plan(args), machine=args.machine)
     from ..models import load_model
     from ..verify import preflight
 
@@ -294,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--trace", help="write a Chrome/Perfetto timeline here (and one per rank: FILE.rankN.json)")
     run.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
     run.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: one GPU per rank, NCCL between them (default cpu, gloo)")
+    run.add_argument("--machine", choices=MACHINE_FIGURES, default="measure",
+                     help="the cost models' figures: measure (default) times the ranks before compiling; given uses the topology's")
     add_checkpoint_args(run)
     run.set_defaults(func=cmd_run)
 

@@ -84,6 +84,11 @@ class PartitionA2A(Pass):
                 _partition_block(rw, block, chunks)
         chunk = grad_chunk_bytes(plan.topology) if options.grad_chunk_bytes == "auto" else int(options.grad_chunk_bytes)
         program.runtime.comm_schedule = CommSchedule(options.priority, chunk if options.priority else 0)
+        chosen = sorted({block.chunks for block in blocks})
+        program.notes.append(
+            f"{PASS}: k={'/'.join(map(str, chosen))} chunks per all-to-all in {len(blocks)} MoE region(s)"
+            + (" (k=auto: the cost model's choice from the topology's figures)" if options.k == "auto" else "")
+            + f"; gradient chunks of {chunk:,} bytes")
         rw.finish()
         return bool(blocks)
 
