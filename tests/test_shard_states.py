@@ -126,6 +126,26 @@ def test_dump_shows_the_buckets_and_what_each_rank_holds():
     assert "lm_head.weight" in named and "experts.down_proj" in named
 
 
+def test_bucket_bytes_auto_follows_the_machine():
+    from commfx.compiler.pipeline import compile_program
+
+    model, inputs = load_model("gpt-moe-tiny")
+
+    def chosen(**figures) -> int:
+        plan = Plan.from_cli("lift,shard_states:stage=3;bucket_bytes=auto", world_size=2, ranks_per_node=1, **figures)
+        program = compile_program(model, plan, inputs)
+        line = next(n for n in program.notes if "bucket_bytes=auto" in n)
+        size = program.runtime.shard_states["bucket_bytes"]
+        assert f"{size:,} bytes" in line and any(f"buckets of <= {size:,} bytes" in n for n in program.notes)
+        return size
+
+    fast = chosen(inter_node_bandwidth=50e9, collective_overhead_s=20e-6)  # a GPU cluster's link
+    slow = chosen(inter_node_bandwidth=125e6, collective_overhead_s=0.5e-3)  # 1 Gbit/s, gloo's per-call cost
+    assert fast > 10 * slow and slow >= 64 * 1024, (fast, slow)  # per-call cost x bandwidth: 16x apart
+    with pytest.raises(PlanError, match="bucket_bytes must be bytes >= 0 .* or auto"):
+        check_plan(Plan.from_cli("lift,shard_states:bucket_bytes=big", world_size=2), model)
+
+
 def test_verify_refuses_stage_2_and_says_to_verify_stage_1():
     from commfx.verify import VerifyCase, verify
 

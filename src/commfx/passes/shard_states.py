@@ -28,6 +28,7 @@ import dataclasses
 
 from ..buckets import Entry, make_buckets, shard_size
 from ..compiler.program import Program
+from ..cost.moe import grad_chunk_bytes as latency_bound_bytes
 from ..plan import Plan, PlanError
 from .base import RuntimeSetting, register
 
@@ -54,14 +55,18 @@ class ShardStates(RuntimeSetting):
     @dataclasses.dataclass(frozen=True)
     class Options:
         stage: int = 1
-        bucket_bytes: int = 0  # each bucket's size, so its shards' (0: the plan's grad_bucket_bytes, 1 MiB)
+        # each bucket's size, so its shards': bytes, 0 (the plan's grad_bucket_bytes, 1 MiB), or auto: the smallest
+        # whose collectives spend at most a tenth of their time on per-call costs (the most buckets to prefetch)
+        bucket_bytes: str = "0"
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
         if options.stage not in STAGES:
             raise PlanError(f"shard_states:stage must be 1, 2 or 3 (ZeRO stages), got {options.stage}")
-        if options.bucket_bytes < 0:
-            raise PlanError(f"shard_states:bucket_bytes must be >= 0 (0: the plan's grad_bucket_bytes), got {options.bucket_bytes}")
+        if options.bucket_bytes != "auto" and (not options.bucket_bytes.isdigit()):
+            raise PlanError(
+                f"shard_states:bucket_bytes must be bytes >= 0 (0: the plan's grad_bucket_bytes) or auto, got {options.bucket_bytes}"
+            )
         for name in plan.pass_names():
             if name in REFUSED_PASSES:
                 raise PlanError(f"shard_states does not work with {name} yet: {REFUSED_PASSES[name]}; drop one of them")
@@ -70,11 +75,16 @@ class ShardStates(RuntimeSetting):
 
     @classmethod
     def value(cls, options: Options) -> dict:
-        return {"stage": options.stage, "bucket_bytes": options.bucket_bytes}
+        return {"stage": options.stage, "bucket_bytes": 0 if options.bucket_bytes == "auto" else int(options.bucket_bytes)}
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         super().run(program, options, plan)
-        program.notes.extend(layout_notes(program, options.stage, options.bucket_bytes or plan.grad_bucket_bytes, plan))
+        if options.bucket_bytes == "auto":  # from the topology's figures (Plan(machine="measure"): this machine's)
+            program.runtime.shard_states["bucket_bytes"] = latency_bound_bytes(plan.topology)
+            program.notes.append(f"{PASS}: bucket_bytes=auto: {program.runtime.shard_states['bucket_bytes']:,} bytes, the smallest "
+                                 "whose all-gather and reduce-scatter spend at most a tenth of their time on per-call costs")
+        bucket_bytes = program.runtime.shard_states["bucket_bytes"] or plan.grad_bucket_bytes
+        program.notes.extend(layout_notes(program, options.stage, bucket_bytes, plan))
         return False
 
 
