@@ -147,9 +147,10 @@ def test_auto_k_is_recorded_and_chunks_every_region():
 
 def test_gradient_chunks_grow_with_latency_so_latency_stays_a_small_share():
     lan = Topology(world_size=4, ranks_per_node=2, inter_node_bandwidth=25e6, inter_node_latency_s=1e-3)
-    # ring of 4: 6 latencies (6 ms); at 12.5 MB/s per rank a chunk must be ~450 KB for them to be 10%
+    # ring of 4: 6 latencies (6 ms); the ring's one edge out of a node has the node's 25 MB/s,
+    # so a chunk must be ~900 KB for them to be 10%
     chunk = grad_chunk_bytes(lan)
-    wire = 2 * 3 / 4 * chunk / 12.5e6
+    wire = 2 * 3 / 4 * chunk / 25e6
     assert 6e-3 / (6e-3 + wire) == pytest.approx(0.1, abs=0.005)
     assert grad_chunk_bytes(Topology(world_size=4, ranks_per_node=2, inter_node_bandwidth=25e6, inter_node_latency_s=0)) == 64 * 1024
     assert grad_chunk_bytes(Topology(world_size=1)) == 64 * 1024

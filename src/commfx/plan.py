@@ -52,6 +52,10 @@ class Topology:
     # fixed cost of one collective beyond the wire's latency: launch, software stack, waiting
     # for the slowest peer (tens of microseconds with NCCL; milliseconds for gloo on shared CPUs)
     collective_overhead_s: float = 20e-6
+    # what one more chunk of a partitioned MoE region costs (a collective and smaller kernels):
+    # 0 = the device's typical figure (cost.moe.CHUNK_OVERHEAD_S); Plan(machine="measure") sets
+    # it to the measured cost of one collective
+    chunk_overhead_s: float = 0.0
 
     @classmethod
     def from_env(cls, world_size: int | None = None, environ: Mapping[str, str] | None = None, **fields: Any) -> "Topology":

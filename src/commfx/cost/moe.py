@@ -116,7 +116,9 @@ def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: i
         return floor
     multi_node = topology.node_size < world
     latency = topology.collective_overhead_s / (2 * (world - 1)) + (topology.inter_node_latency_s if multi_node else 0.0)
-    bandwidth = topology.inter_node_bandwidth / topology.node_size if multi_node else topology.intra_node_bandwidth
+    # A ring crosses each node's link by one edge per direction, and that edge has the node's
+    # whole link (NCCL lays several rings over a node's NICs), as `commfx simulate` models it.
+    bandwidth = topology.inter_node_bandwidth if multi_node else topology.intra_node_bandwidth
     ring_latency = 2 * (world - 1) * latency
     # time on the wire for chunk c: 2 (P-1)/P c / bandwidth; ask ring_latency <= share/(1-share) of it
     chunk = ring_latency * bandwidth * world / (2 * (world - 1)) * (1 - latency_share) / latency_share

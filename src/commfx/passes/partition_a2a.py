@@ -111,7 +111,7 @@ class PartitionA2A(Pass):
             dtype_bytes=down.element_size(),
             matrices=gate_up.shape[1] // expert_hidden + 1,
         )
-        overhead = CHUNK_OVERHEAD_S["cuda" if down.is_cuda else "cpu"]
+        overhead = plan.topology.chunk_overhead_s or CHUNK_OVERHEAD_S["cuda" if down.is_cuda else "cpu"]
         return choose_chunks(region, plan.topology, max_k=options.max_k, chunk_overhead_s=overhead)
 
 

@@ -74,7 +74,7 @@ def measure(scheduler: CommScheduler, topology: Topology, dtype: torch.dtype, de
 def measured_topology(topology: Topology, figures: MachineFigures) -> Topology:
     """`topology` with the measured figures where its cost models read them."""
     per_node = min(topology.node_size, topology.expert_parallel_size)
-    changes: dict = {"flops_per_s": figures.flops_per_s, "collective_overhead_s": figures.collective_s}
+    changes: dict = {"flops_per_s": figures.flops_per_s, "collective_overhead_s": figures.collective_s, "chunk_overhead_s": figures.collective_s}
     if figures.link_bytes_per_s != float("inf"):
         if figures.spans_nodes:  # cost models divide a node's link among its ranks
             changes.update(inter_node_bandwidth=figures.link_bytes_per_s * per_node, inter_node_latency_s=0.0)
