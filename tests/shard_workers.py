@@ -41,26 +41,34 @@ def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7,
             losses.append(loss.detach())
             optimizer.step()
             schedule.step()
-        memory = held_bytes(dm, optimizer)
-        saved = optimizer.state_dict()
-        dm.synchronize()  # stage 3: every parameter whole until the next step
-        params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
-        resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
-        resumed.load_state_dict(saved)
-        resumed.zero_grad(set_to_none=True)
-        loss_fn(dm(*local), local).backward()
-        resumed.step()
-        dm.synchronize()
+
+        def one_more_step(resumed):
+            resumed.zero_grad(set_to_none=True)
+            loss_fn(dm(*local), local).backward()
+            resumed.step()
+
         results[passes] = {
             "losses": torch.stack(losses),
-            "params": params,
-            "resumed": {n: p.detach().clone() for n, p in dm.module.named_parameters()},
-            "memory": memory,
+            **after_training(dm, optimizer, one_more_step),
             "stepped": sum(v.numel() for g in getattr(optimizer, "optimizer", optimizer).param_groups for v in g["params"]),
         }
     if with_misuse:
         results["misuse"] = misuse(rank, world_size)
     return results
+
+
+def after_training(dm, optimizer, one_more_step) -> dict:
+    """The bytes held, the parameters, and the parameters after `one_more_step(resumed)` of a
+    fresh sharded optimizer that loaded `optimizer`'s state_dict."""
+    memory = held_bytes(dm, optimizer)
+    saved = optimizer.state_dict()
+    dm.synchronize()  # stage 3: every parameter whole until the next step
+    params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
+    resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+    resumed.load_state_dict(saved)
+    one_more_step(resumed)
+    dm.synchronize()
+    return {"params": params, "resumed": {n: p.detach().clone() for n, p in dm.module.named_parameters()}, "memory": memory}
 
 
 def misuse(rank: int, world_size: int) -> dict:
@@ -110,19 +118,9 @@ def train_pipeline_plans(rank: int, world_size: int, plans: list[str], bucket_by
         for _ in range(STEPS):
             losses.append(step(optimizer))
             schedule.step()
-        memory = held_bytes(dm, optimizer)
-        saved = optimizer.state_dict()
-        dm.synchronize()  # stage 3: every parameter whole until the next step
-        params = {n: p.detach().clone() for n, p in dm.module.named_parameters()}
-        resumed = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
-        resumed.load_state_dict(saved)
-        step(resumed)
-        dm.synchronize()
         results[passes] = {
             "losses": [None if loss is None else float(loss) for loss in losses],
-            "params": params,
-            "resumed": {n: p.detach().clone() for n, p in dm.module.named_parameters()},
-            "memory": memory,
+            **after_training(dm, optimizer, step),
             "stage": dm.stage_index,
         }
     return results
