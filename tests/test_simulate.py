@@ -120,3 +120,21 @@ def test_readme_simulate_example_runs():
     import runpy
 
     runpy.run_path(str(ROOT / "examples" / "simulate_plan.py"), run_name="__main__")
+
+
+def test_the_vocabulary_split_head_costs_what_the_dense_head_does():
+    """split_embedding_comm's sharded LM head (commfx.vocab_parallel_loss) is a matmul of every
+    rank's tokens against 1/P of the rows: as many FLOPs per rank as the dense head on this
+    rank's tokens (it once counted as free, predicting the EmbRace run 79% short)."""
+    from commfx.compiler.pipeline import compile_program
+    from commfx.cost.flops import node_flops
+    from commfx.models import NextTokenLoss, build_gpt_moe, shifted
+    from commfx.verify import data_share, local_batch
+
+    model, (ids,) = build_gpt_moe(vocab_size=2048, hidden_size=32, num_experts=4, expert_hidden=32, max_seq=32, batch=4, seq=17)
+    plan = Plan.from_cli("lift,expert_parallel,split_embedding_comm:head=shard", world_size=2)
+    local = local_batch(shifted(ids), *data_share(plan, 0))
+    program = compile_program(NextTokenLoss(model), plan, local)
+    heads = [n for n in program.gm.graph.nodes if "vocab_parallel_loss" in str(n.target)]
+    tokens = local[0].numel()
+    assert len(heads) == 1 and node_flops(heads[0]) == 2.0 * tokens * 32 * 2048

@@ -12,9 +12,18 @@ def node_flops(node: fx.Node) -> float:
     contracted size); other nodes count as free."""
     name = getattr(node.target, "__name__", str(node.target))
     value = node.meta.get("example_value")
+    first = node.args[0].meta.get("example_value") if node.args and isinstance(node.args[0], fx.Node) else None
+    if name.startswith("vocab_parallel_loss") and not name.startswith("vocab_parallel_loss_backward"):
+        # the sharded LM head: every rank's tokens (gathered over the `parts` ranks) against this
+        # rank's 1/parts of the rows; the graph's parameter is full-size: as many FLOPs as the
+        # dense head on this rank's tokens
+        weight = _traced(node.args[1])
+        tokens = _traced(node.args[0])
+        if isinstance(weight, torch.Tensor) and isinstance(tokens, torch.Tensor):
+            hidden = hint(weight.shape[1])
+            return 2.0 * (_numel(tokens) // hidden) * hidden * hint(weight.shape[0])
     if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
         return 0.0
-    first = node.args[0].meta.get("example_value") if node.args and isinstance(node.args[0], fx.Node) else None
     if name in ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm") and isinstance(first, torch.Tensor):
         return 2.0 * _numel(value) * hint(first.shape[-1])
     if name == "scaled_dot_product_attention" and isinstance(first, torch.Tensor):
@@ -24,6 +33,19 @@ def node_flops(node: fx.Node) -> float:
         if isinstance(gate_up, torch.Tensor) and isinstance(first, torch.Tensor):
             return 2.0 * hint(first.shape[0]) * 1.5 * hint(gate_up.shape[1]) * hint(gate_up.shape[2])
     return 0.0
+
+
+def _traced(node, hops: int = 4):
+    """A node's traced value, or that of the first input up the chain that has one (a pass may
+    add views without values): the same elements, whatever the shape."""
+    for _ in range(hops):
+        if not isinstance(node, fx.Node):
+            return None
+        value = node.meta.get("example_value", node.meta.get("val", getattr(node, "_param", None)))
+        if value is not None:
+            return value
+        node = node.args[0] if node.args else None
+    return None
 
 
 def hint(size) -> int:

@@ -215,8 +215,8 @@ def _compute_cost(node: fx.Node, name: str, blocks: _Blocks, scale: float = 1.0)
         return rows * blocks.flops_per_row[path], 3 * rows * blocks.hidden[path]
     if value is None and path and node.op == "call_function":  # a row op a pass made inside the block
         return 0.0, 2 * blocks.rows[path] * blocks.hidden[path]
-    if not isinstance(value, (torch.Tensor, tuple, list)):
-        return 0.0, 0.0
+    if not isinstance(value, (torch.Tensor, tuple, list)):  # a pass's op without a traced value (the sharded head)
+        return scale * node_flops(node), 0.0
     inputs = sum(_tensor_bytes(_value(a)) for a in node.all_input_nodes if a.op != "get_attr")
     weights = sum(_tensor_bytes(_value(a)) or _tensor_bytes(getattr(a, "_param", None)) for a in node.all_input_nodes if a.op == "get_attr")
     return scale * node_flops(node), scale * (inputs + _tensor_bytes(value)) + weights
