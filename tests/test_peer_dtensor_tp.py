@@ -101,6 +101,7 @@ def test_preflight_refuses_a_head_count_the_world_does_not_divide():
         module.preflight(model, ep_size=1, world_size=2, inputs=inputs)
 
 
+@pytest.mark.slow  # a bench run with a peer beside a commfx plan: test_peers_sharded_and_staged runs one by default
 @pytest.mark.distributed
 def test_bench_times_dtensor_tp_beside_commfx_tensor_parallel(tmp_path, capsys):
     out = tmp_path / "tp.json"

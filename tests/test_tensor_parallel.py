@@ -183,12 +183,18 @@ def _case(spec: str, world: int, tp: int, passes: str = "lift,tensor_parallel", 
 
 
 def test_tp2_equals_the_single_process_model():
-    cases = [_case(spec, 2, 2) for spec in ("gpt-moe-tiny", "hf:llama", "hf:qwen3", "hf:qwen2")]
+    cases = [_case(spec, 2, 2) for spec in ("gpt-moe-tiny", "hf:llama", "hf:qwen3")]
     # experts stay with expert_parallel: both passes at once, tokens of a tp group sent twice
     cases.append(_case("hf:mixtral", 2, 2, "lift,expert_parallel,tensor_parallel"))
     for report in verify(cases, 2, timeout_s=400):
         assert report.ok, (report.case.model, report.failures, report.grad_diffs)
         assert report.max_diff <= 1e-10
+
+
+@pytest.mark.slow  # Qwen2's attention is Llama's with biased q/k/v: a heavier duplicate of the case above
+def test_tp2_equals_the_single_process_model_on_qwen2():
+    (report,) = verify([_case("hf:qwen2", 2, 2)], 2, timeout_s=400)
+    assert report.ok and report.max_diff <= 1e-10, (report.failures, report.grad_diffs)
 
 
 def test_tp4_and_tp_times_dp_with_experts_equal_the_single_process_model():
