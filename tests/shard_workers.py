@@ -14,17 +14,20 @@ STEPS = 3
 
 
 def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7, bucket_bytes: int = 0, with_misuse: bool = False) -> dict:
-    """Per plan ("passes" or "passes|ep=N"): the losses of STEPS AdamW steps (weight decay,
+    """Per plan ("passes", "passes|ep=N" or "passes|tp=N"): the losses of STEPS AdamW steps (weight decay,
     an LR scheduler halving the rate each step), the parameters after them, the held bytes
     after the last step, how many elements this rank's optimizer steps, and the parameters
     after one more step of a fresh optimizer that loaded the first one's state_dict."""
+    from commfx.verify import data_share, local_batch
+
     _, (ids,) = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
-    local = (split_batch(ids, world_size, rank),)
     results = {}
     for passes in plans:
         model, _ = load_model("gpt-moe-tiny", dtype=torch.float64, batch=rows, seq=8)
         spec, _, ep = passes.partition("|ep=")  # "passes|ep=1": experts replicated over edp
-        plan = Plan.from_cli(spec, world_size=world_size, ep=int(ep or 0))
+        spec, _, tp = spec.partition("|tp=")  # "passes|tp=2": tensor parallel inside each dp replica
+        plan = Plan.from_cli(spec, world_size=world_size, ep=int(ep or 0), tp=int(tp or 1))
+        local = local_batch((ids,), *data_share(plan, rank))  # a tensor-parallel group reads the same rows
         if bucket_bytes:
             import dataclasses
 

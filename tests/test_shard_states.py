@@ -65,6 +65,21 @@ def test_sharded_steps_equal_replicated_steps_and_hold_less():
         assert "make that optimizer before the first backward" in said["backward"]
 
 
+@pytest.mark.distributed
+def test_sharded_states_with_tensor_parallelism_equal_the_replicated_plan():
+    """tp 2 x dp 2: tensor_parallel's shards and the replicated parameters bucketed over dp."""
+    plain, sharded = "lift,tensor_parallel|tp=2", "lift,tensor_parallel,shard_states:stage=3|tp=2"
+    results = launch("shard_workers:train_each_plan", 4, {"plans": [plain, sharded], "bucket_bytes": 4096}, timeout_s=300, collective_timeout_s=60)
+    for rank, result in enumerate(results):
+        want, got = result[plain], result[sharded]
+        torch.testing.assert_close(got["losses"], want["losses"], rtol=0, atol=1e-12)
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-12, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(got["resumed"][name], want["resumed"][name], rtol=0, atol=1e-12, msg=f"reloaded {name}")
+        assert got["memory"]["parameters"] * 2 <= want["memory"]["parameters"] + 64, (got["memory"], want["memory"])
+        assert got["memory"]["optimizer_state"] < want["memory"]["optimizer_state"]
+
+
 PIPELINE = "lift,expert_parallel,pipeline_split"
 
 
@@ -94,7 +109,7 @@ def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
     "passes, topology, message",
     [
         ("lift,shard_states:stage=0", {}, "stage must be 1, 2 or 3"),
-        ("lift,tensor_parallel,shard_states", {"tp": 2}, "does not work with tensor_parallel"),
+        ("lift,tensor_parallel,pipeline_split,shard_states", {"tp": 2, "pp": 2, "world_size": 4}, "both pipeline stages and tensor parallelism"),
         ("lift,expert_parallel,shard_states,defer_grad_sync", {}, "shard_states does not work with defer_grad_sync"),
         ("lift,expert_parallel,pack_experts,shard_states:stage=2", {}, "does not work with pack_experts"),
     ],
@@ -102,7 +117,7 @@ def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
 def test_shard_states_plan_errors(passes, topology, message):
     model, _ = load_model("gpt-moe")
     with pytest.raises(PlanError, match=message):
-        check_plan(Plan.from_cli(passes, world_size=2, **topology), model)
+        check_plan(Plan.from_cli(passes, **{"world_size": 2, **topology}), model)
 
 
 def test_shard_states_under_torch_compile_is_a_plan_error():

@@ -38,7 +38,6 @@ STAGES = (1, 2, 3)
 # Passes whose work the sharded step does not handle yet -> why: refused by name, in either order
 # (check_plan), since each needs its own sharding rather than another place in the list.
 REFUSED_PASSES = {
-    "tensor_parallel": "its sharded linears are not bucketed over dp alone yet",
     "resize_tp": "its migrations move optimizer state, which is sharded here",
     "defer_grad_sync": "a deferred gradient's late step would have to reduce-scatter and all-gather on its own",
     "pack_experts": "re-placing experts moves their optimizer state, which is sharded here",
@@ -70,8 +69,11 @@ class ShardStates(RuntimeSetting):
         for name in plan.pass_names():
             if name in REFUSED_PASSES:
                 raise PlanError(f"shard_states does not work with {name} yet: {REFUSED_PASSES[name]}; drop one of them")
-        if plan.topology.tp > 1:
-            raise PlanError("shard_states needs tp = 1 for now (its buckets are cut over the data-parallel group alone)")
+        if plan.topology.pp > 1 and plan.topology.tp > 1:
+            raise PlanError(
+                "shard_states with both pipeline stages and tensor parallelism (pp x tp x dp) is not verified yet; "
+                "it shards over dp with --pp or with --tp, one at a time"
+            )
 
     @classmethod
     def value(cls, options: Options) -> dict:
