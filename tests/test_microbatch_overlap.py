@@ -167,13 +167,15 @@ def test_partition_k_auto_sizes_chunks_for_one_micro_batch():
     """k=auto before microbatch_overlap:n=2 chooses the k for half the tokens: on the bench's
     link (100 Mbit/s, 5 ms per collective) 4 chunks for a whole rank's 1,024 tokens, 2 for
     one micro-batch's 512 (RESULTS 5e's tuned choice)."""
+    from commfx.compiler.capture import capture
     from commfx.cost.moe import MoERegion, choose_chunks
 
     model, inputs = build_gpt_moe(batch=16, seq=64, max_seq=64, hidden_size=128, num_experts=8, expert_hidden=1024)
     topology = dict(ranks_per_node=1, inter_node_bandwidth=100e6 / 8, collective_overhead_s=5e-3, flops_per_s=2e10)
     chunks = {}
+    captured = capture(model, inputs)  # one trace, two plans
     for passes in ("lift,expert_parallel,partition_a2a", "lift,expert_parallel,partition_a2a,microbatch_overlap"):
-        program = compile_program(model, Plan.from_cli(passes, world_size=2, **topology), inputs)  # one rank's 16 sequences
+        program = compile_program(model, Plan.from_cli(passes, world_size=2, **topology), inputs, captured=captured)  # one rank's 16 sequences
         chunks[passes] = {block.chunks for block in program.regions.moe_blocks}
     tokens = 16 * 64
     region = dict(hidden=128, expert_hidden=1024, top_k=2, num_experts=8, dtype_bytes=4, matrices=3)

@@ -197,9 +197,9 @@ def run_hf_example(rendezvous: str, nproc: int, report: Path, steps: int = 2) ->
     "rendezvous, nproc",
     [
         ("static", 1),
-        ("c10d", 2),
+        ("c10d", 1),
         pytest.param("static", 2, marks=pytest.mark.slow),
-        pytest.param("c10d", 1, marks=pytest.mark.slow),
+        pytest.param("c10d", 2, marks=pytest.mark.slow),
     ],
 )
 def test_two_torchrun_nodes_plan_with_torchrun_topology(tmp_path, rendezvous, nproc):
