@@ -239,6 +239,15 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def _assert_continues(saved: dict, *resumed: dict, saved_at: int = 2) -> None:
+    """The first resumed run loaded, bit for bit, what `saved` held at its step `saved_at`, and
+    the resumed runs' losses, one after another, continue `saved`'s from there."""
+    assert _max_diff(saved["at_save"], resumed[0]["loaded"]) == 0
+    later = [loss for run in resumed for loss in run["losses"]]
+    for a, b in zip(saved["losses"][saved_at:], later):
+        assert abs(a - b) <= 1e-12, (saved["losses"], later)
+
+
 def _saved_chunks(checkpoint: Path, fqn: str) -> int:
     """How many chunks of `fqn` the checkpoint's files hold (a replicated tensor: one)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -260,9 +269,7 @@ def test_pipeline_stages_reshard_from_two_stages_to_one(tmp_path):
     assert "model/head.weight" not in json.loads((saved / store.MANIFEST).read_text())["tensors"]
     one = _launch("load_and_train", 1, root=str(tmp_path), model=TIED, passes="lift", steps=2)[0]
     assert "resharded: world_size 2 -> 1, pp 2 -> 1" in one["notes"], one["notes"]
-    assert _max_diff(two["at_save"], one["loaded"]) == 0
-    for a, b in zip(two["losses"][2:], one["losses"]):
-        assert abs(a - b) <= 1e-12, (two["losses"], one["losses"])
+    _assert_continues(two, one)
 
 
 @pytest.mark.slow
@@ -273,9 +280,7 @@ def test_pipeline_stages_reshard_from_one_stage_to_two(tmp_path):
     one = _launch("train_and_save", 1, root=str(tmp_path), model=TIED, passes="lift", steps=4, save_at=2)[0]
     two = _launch("load_and_train", 2, root=str(tmp_path), model=TIED, passes="lift,pipeline_split", steps=2, pp=2)[0]
     assert "resharded: world_size 1 -> 2, pp 1 -> 2" in two["notes"], two["notes"]
-    assert _max_diff(one["at_save"], two["loaded"]) == 0
-    for a, b in zip(one["losses"][2:], two["losses"]):
-        assert abs(a - b) <= 1e-12, (one["losses"], two["losses"])
+    _assert_continues(one, two)
 
 
 @pytest.mark.slow
@@ -287,11 +292,9 @@ def test_tensor_parallel_reshards_from_two_ranks_to_one_and_back(tmp_path):
     two = _launch("train_and_save", 2, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=tp_passes, steps=5, save_at=2, tp=2)[0]
     one = _launch("load_and_train", 1, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes="lift", steps=2, save_as=str(tmp_path / "b"))[0]
     assert any("tp 2 -> 1" in n for n in one["notes"]), one["notes"]
-    assert _max_diff(two["at_save"], one["loaded"]) == 0
     back = _launch("load_and_train", 2, root=str(tmp_path / "b"), model="gpt-moe-tiny", passes=tp_passes, steps=1, tp=2)[0]
     assert _max_diff(one["state"], back["loaded"]) == 0
-    for a, b in zip(two["losses"][2:], one["losses"] + back["losses"]):
-        assert abs(a - b) <= 1e-12, (two["losses"], one["losses"], back["losses"])
+    _assert_continues(two, one, back)
 
 
 @pytest.mark.slow
@@ -318,9 +321,7 @@ def test_sharded_optimizer_state_reshards_to_a_replicated_plan_and_another_stage
     zero3, zero1 = f"{ep},shard_states:stage=3;bucket_bytes=2048", f"{ep},shard_states:stage=1;bucket_bytes=1000"
     first = _launch("train_and_save", 2, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=zero3, steps=5, save_at=2)[0]
     one = _launch("load_and_train", 1, root=str(tmp_path / "a"), model="gpt-moe-tiny", passes=ep, steps=2, save_as=str(tmp_path / "b"))[0]
-    assert _max_diff(first["at_save"], one["loaded"]) == 0
     assert any(k.startswith("optimizer/") and k.endswith("exp_avg_sq") for k in one["loaded"])
     back = _launch("load_and_train", 2, root=str(tmp_path / "b"), model="gpt-moe-tiny", passes=zero1, steps=1)[0]
     assert _max_diff(one["state"], back["loaded"]) == 0
-    for a, b in zip(first["losses"][2:], one["losses"] + back["losses"]):
-        assert abs(a - b) <= 1e-12, (first["losses"], one["losses"], back["losses"])
+    _assert_continues(first, one, back)

@@ -82,7 +82,7 @@ def distribute(
         captured = capture(model, args, kwargs)
         lifted = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens, captured=captured, stop_after="lift")
         shape = expert_work_shape(lifted, tokens)  # timed at the model's own expert shape
-        measured = measure(scheduler, plan.topology, compute_dtype(model, plan), next(model.parameters()).device, shape)
+        measured = measure(scheduler, plan.topology, _compute_dtype(model, plan), next(model.parameters()).device, shape)
         plan = dataclasses.replace(plan, topology=measured_topology(plan.topology, measured))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens, captured=captured)
     if measured is not None:
@@ -97,7 +97,7 @@ def distribute(
     return DistributedModule(program, plan, scheduler, placement, compile_training, recapture)
 
 
-def compute_dtype(model: torch.nn.Module, plan: Plan) -> torch.dtype:
+def _compute_dtype(model: torch.nn.Module, plan: Plan) -> torch.dtype:
     """The dtype the model's matmuls run in: the plan's precision, else its parameters'."""
     from .compiler.precision import precision_dtype
 

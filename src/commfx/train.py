@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from .models import load_model
 from .ops.locality import LAST_AUX_LOSSES, LAST_CAPACITY, aux_loss_report, capacity_report
 from .plan import Plan
+from .runtime.machine_probe import NOTE as MACHINE_NOTE
 from .runtime.memory import held_bytes
 from .runtime.sharded_optimizer import shard_optimizer
 from .runtime.trace import Timeline, rank_trace_path
@@ -116,7 +117,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     dm = distribute(model, config.plan, local)
     pipelined = isinstance(dm, PipelineModule)
     if rank == 0:  # Plan(machine="measure"): what the cost models were given
-        for note in (n for n in dm.program.notes if n.startswith("machine measured")):
+        for note in (n for n in dm.program.notes if n.startswith(MACHINE_NOTE)):
             print(note, flush=True)
     if rank == 0 and config.dump_path:
         with open(config.dump_path, "w") as f:

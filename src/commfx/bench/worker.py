@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.machine_probe import NOTE as MACHINE_NOTE
 from .config import BenchConfig, PlanSpec
 from .results import TIMING_KINDS
 from .straggler import RankSlowdown
@@ -231,7 +232,7 @@ class _PlanRunner(_Runner):
 
     def choices(self) -> list[str]:
         """The measured machine and the cost models' choices made from it (the same on every rank)."""
-        return [n for n in self.dm.program.notes if n.startswith(("machine measured", "partition_a2a:"))]
+        return [n for n in self.dm.program.notes if n.startswith((MACHINE_NOTE, "partition_a2a:"))]
 
     def decisions(self) -> list[str]:
         """What resize_tp's controller did (the same on every rank)."""

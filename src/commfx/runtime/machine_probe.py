@@ -33,6 +33,7 @@ from .comm import CommScheduler
 DEFAULT_SHAPE = (4, 64, 1024, 1024, 2)  # experts, rows per expert, hidden, expert width, matrices (gate+up, down): a model without MoE
 SMALL_BYTES, LARGE_BYTES, LARGEST_BYTES = 64, 256 * 1024, 16 << 20  # per peer, the all-to-all sizes
 REPEATS = 3
+NOTE = "machine measured on the ranks"  # how a program's notes say which figures it was compiled with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class MachineFigures:
 
     def describe(self) -> str:
         link = "inter-node" if self.spans_nodes else "intra-node"
-        return (f"machine measured on the ranks: {self.flops_per_s / 1e9:,.1f} GFLOP/s per rank, {self.collective_s * 1e3:.2f} ms "
+        return (f"{NOTE}: {self.flops_per_s / 1e9:,.1f} GFLOP/s per rank, {self.collective_s * 1e3:.2f} ms "
                 f"per collective, {self.link_bytes_per_s * 8 / 1e6:,.0f} Mbit/s per rank {link}")
 
 
@@ -59,8 +60,9 @@ def measure(scheduler: CommScheduler, topology: Topology, dtype: torch.dtype, de
     if handle.size > 1:
         before = copy.deepcopy(scheduler.stats)  # the probe's bytes are nobody's traffic
         small = _all_to_all_time(scheduler, group, handle.size, SMALL_BYTES, device)
+        slowest_small = _agreed_max(scheduler, small)
         size, large = LARGE_BYTES, _all_to_all_time(scheduler, group, handle.size, LARGE_BYTES, device)
-        while _agreed_max(scheduler, large) < 4 * _agreed_max(scheduler, small) and size < LARGEST_BYTES:  # every rank alike
+        while _agreed_max(scheduler, large) < 4 * slowest_small and size < LARGEST_BYTES:  # every rank decides alike
             size *= 8
             large = _all_to_all_time(scheduler, group, handle.size, size, device)
         scheduler.stats = before
