@@ -69,6 +69,7 @@ class PlanResult:
     peer_check: str | None = None  # a peer's equality check against the single-process model
     peer_bytes: dict[str, float] = field(default_factory=dict)  # a peer's own count: payload bytes per step, all ranks
     link: LinkSpec | None = None  # the inter-node link the cluster set (rate and latency of the wire bound)
+    layout: dict[str, int] = field(default_factory=dict)  # the plan's pp, tp and ep sizes (what `commfx simulate` lays out)
 
     @property
     def replay_bound(self) -> float:
@@ -133,7 +134,7 @@ class PlanResult:
 
     def as_dict(self) -> dict:
         return {
-            "label": self.label, "passes": self.passes,
+            "label": self.label, "passes": self.passes, "layout": self.layout or None,
             "wall": self.wall.as_dict(), "compute_only": self.compute.as_dict(), "comm_only": self.comm.as_dict(),
             "replay_bound_s": self.replay_bound, "wire_bound_s": self.wire_bound,
             "bytes_per_step": self.bytes,
@@ -224,6 +225,11 @@ class BenchResult:
         return out
 
 
+def _layout(plan) -> dict[str, int]:
+    t = plan.topology
+    return {"pp": t.pp, "tp": t.tp, "ep": t.expert_parallel_size}
+
+
 def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: LinkSpec | None) -> BenchResult:
     """Per-rank samples -> one result: slowest rank per step, bytes summed over ranks."""
     plans = []
@@ -244,6 +250,7 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
             peer_check=per_rank[0].get("peer_check"),
             peer_bytes=_peer_bytes([r.get("peer_bytes", []) for r in per_rank]),
             link=link,
+            layout={} if spec.peer else _layout(spec.plan),
         ))
     paired = None
     if len(plans) > 1:

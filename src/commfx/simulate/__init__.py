@@ -16,13 +16,12 @@ import torch
 from ..plan import Plan, PlanError
 from .cluster import Cluster, load_cluster, presets
 from .engine import Result, Simulation
+from .pipeline import simulate_pipeline
 from .workload import build_workload
 
 __all__ = ["Captures", "Cluster", "Prediction", "load_cluster", "presets", "simulate", "simulate_program", "topology_for"]
 
 UNSUPPORTED = {
-    "pipeline_split": "pipeline stages (their schedule is not simulated yet)",
-    "compress_pipeline": "pipeline stages (their schedule is not simulated yet)",
     "defer_grad_sync": "gradients settled in the next forward",
     "microbatch_overlap": "two micro-batches interleaved",
     "resize_tp": "a straggler controller",
@@ -46,7 +45,7 @@ class Prediction:
             "step_s": r.step_s, "compute_s": r.compute_s, "comm_s": r.comm_s, "exposed_comm_s": r.exposed_comm_s,
             "collectives_per_rank": r.collectives, "inter_node_bytes_per_node": r.inter_node_bytes,
             "intra_node_bytes_per_rank": r.intra_node_bytes, "link_utilisation": r.link_utilisation(self.cluster),
-            "peak_memory_bytes_per_rank": r.memory, "notes": self.notes,
+            "peak_memory_bytes_per_rank": r.memory, "pipeline_boundary_bytes_per_step": r.boundary_bytes or None, "notes": self.notes,
         }
 
 
@@ -118,10 +117,14 @@ def simulate(
 
 def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster, *, scale: float = 1.0) -> Prediction:
     """Simulate a compiled program: its all-to-alls split and moved by the runtime's own
-    schedule pass (`overlap_collectives`: starts as early, waits as late as data allows)."""
+    schedule pass (`overlap_collectives`: starts as early, waits as late as data allows);
+    a split program stage by stage over its pipeline schedule (`pipeline`)."""
     from ..passes.schedule.overlap import overlap_collectives
 
     tokens = program.tokens_per_rank or 0
+    if program.regions.pipeline is not None:
+        result, notes = simulate_pipeline(program, plan, cluster, tokens, scale)
+        return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + notes)
     scheduled = program.derive()
     overlap_collectives(scheduled.gm)
     workload = build_workload(scheduled, plan, tokens, scale)

@@ -49,6 +49,7 @@ class Result:
     memory: dict[str, float]
     timeline: Timeline
     history: list[Pending] = field(default_factory=list)
+    boundary_bytes: float = 0.0  # a pipeline's: every boundary's sends per step, both ways
 
     def link_utilisation(self, cluster: Cluster) -> dict[str, float]:
         return {
