@@ -12,7 +12,7 @@ from commfx.cli.main import main
 from commfx.cli.plan import layout, parse_bytes
 from commfx.plan import PlanError
 from commfx.simulate import load_cluster
-from commfx.simulate.search import Facts, extensions, structures
+from commfx.simulate.search import Candidate, Facts, extensions, structures
 
 CANDIDATES = ["lift,expert_parallel", "lift", "lift,expert_parallel,pack_experts:degree=2", "lift,expert_parallel,partition_a2a:k=2"]
 
@@ -48,6 +48,36 @@ def test_candidates_cover_the_modelled_options():
     assert "lift,expert_parallel,shard_states:stage=3" in grown
     assert [c.precision for c in extensions(moe[1], "precision", Facts(8, 1, 1), cluster)] == ["fp32", "bf16"]
     assert len(extensions(moe[1], "locality", Facts(8, 2, 0), cluster)) == 1  # top-2: no locality gate candidate
+
+
+def test_model_parallel_dimensions_lay_out_tp_pp_and_compression():
+    """tp inside a node, pp up to the layers with pp and 4 pp micro-batches, and a pipeline's
+    compression rank, each inserted before the passes that come after model parallelism."""
+    cluster = load_cluster("a100").with_layout(2)  # 16 ranks, 8 a node
+    facts = Facts(num_experts=16, top_k=2, untied_tables=0, layers=4)
+    sharded = Candidate("lift,expert_parallel,shard_states:stage=1")
+    tensor = extensions(sharded, "tensor", facts, cluster)[1:]
+    assert [(c.passes, c.tp) for c in tensor] == [("lift,expert_parallel,tensor_parallel,shard_states:stage=1", t) for t in (2, 4, 8)]
+    piped = extensions(Candidate("lift,expert_parallel"), "pipeline", facts, cluster)[1:]
+    assert {(c.pp, c.passes.rsplit(":", 1)[1]) for c in piped} == {(2, "microbatches=2"), (2, "microbatches=8"), (4, "microbatches=4"), (4, "microbatches=16")}
+    assert extensions(piped[0], "pipeline", facts, cluster) == [piped[0]]  # one pipeline a plan
+    squeezed = extensions(piped[0], "compression", facts, cluster)[1:]
+    assert [c.passes for c in squeezed] == [f"{piped[0].passes},compress_pipeline:rank={r}" for r in (4, 16, 64)]
+    assert squeezed[0].command_args().endswith("--pp 2") and extensions(Candidate("lift"), "compression", facts, cluster) == [Candidate("lift")]
+
+
+def test_the_search_ranks_pipelines_beside_expert_parallelism(capsys):
+    """On 2 nodes x 1 rank at 100 Mbit/s the search simulates pipelines of gpt-moe (2 layers),
+    compressed and not, and names the flags that run them."""
+    assert main(["plan", "gpt-moe", "--cluster", "emulated", "--world", "2", "--ranks-per-node", "1", "--inter-node", "100mbit",
+                 "--model-arg", "hidden_size=64", "--model-arg", "expert_hidden=64", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"│\s+\d+ │ (\S+(?: --\S+ \S+)*)\s+│\s+([\d.]+) ms", out)
+    plans = {plan for plan, _ in rows}
+    assert "lift,pipeline_split:microbatches=2 --pp 2" in plans and "lift,expert_parallel" in plans
+    assert any("compress_pipeline:rank=4" in p and p.endswith("--pp 2") for p in plans)
+    steps = [float(step) for _, step in rows]
+    assert steps == sorted(steps)
 
 
 def test_bad_input_is_one_clear_error(capsys):

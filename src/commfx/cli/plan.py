@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
         help="choose a plan: simulate candidate pass lists and options on a cluster, rank them by predicted step",
         description=(
             "Enumerate the plans commfx simulate models (expert parallelism at each ep size, partition_a2a k, "
-            "pack_experts degree, locality_gate for top-1 routers, split_embedding_comm for untied tables, "
+            "pack_experts degree, tp inside a node, pp with micro-batches and compress_pipeline rank, "
+            "locality_gate for top-1 routers, split_embedding_comm for untied tables, "
             "shard_states 1-3, bf16), simulate each on the cluster, drop those over the memory limit and print the "
             f"best by predicted step, with what each saves against naive expert parallelism. Example: {EXAMPLE}"
         ),
@@ -41,6 +42,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--candidate", action="append", default=[], metavar="PASSES",
                         help="rank these pass lists instead of searching (repeatable; the first is the baseline)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the precision of the --candidate plans (the search tries both)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages of the --candidate plans (with pipeline_split in them)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the --candidate plans (with tensor_parallel)")
     parser.add_argument("--emit", metavar="FILE", help="write the chosen plan's --passes string here")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model config override (repeatable)")
@@ -90,7 +93,7 @@ def _run(args) -> int:
     check_output_paths({"--emit": args.emit})
     cluster = layout(load_cluster(args.cluster), args.world, args.nodes, args.ranks_per_node, args.inter_node)
     limit = cluster.device.memory_bytes if args.memory_limit == "auto" else parse_bytes(args.memory_limit)
-    candidates = [Candidate(p, precision=args.precision) for p in args.candidate] or None
+    candidates = [Candidate(p, precision=args.precision, pp=args.pp, tp=args.tp) for p in args.candidate] or None
     console.print(f"planning {args.model} on {cluster.describe()}, memory limit {size(limit)} per rank ...", soft_wrap=True)
     result = search(args.model, cluster, memory_limit=limit, model_kwargs=_model_kwargs(args), seed=args.seed, candidates=candidates,
                     rows_per_rank=args.rows_per_rank)

@@ -73,7 +73,7 @@ class PipelineSplit(Pass):
         if pp < 2:
             raise PlanError("pipeline_split needs at least 2 pipeline stages; set the pipeline-parallel size (--pp 2)")
         if model is not None:
-            layers = _count_model_layers(model)
+            layers = count_model_layers(model)
             if layers == 0:  # name what was expected and the model's own repeated (outermost, non-torch) modules
                 from collections import Counter
 
@@ -153,7 +153,8 @@ def find_layers(graph: fx.Graph) -> tuple[str, dict[fx.Node, int]]:
     return prefix, {node: renumber[layer] for node, layer in layer_of.items()}
 
 
-def _count_model_layers(model: torch.nn.Module) -> int:
+def count_model_layers(model: torch.nn.Module) -> int:
+    """The blocks this pass can deal out to stages: the longest nn.ModuleList (0: none)."""
     lists = [len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return max(lists, default=0)
 

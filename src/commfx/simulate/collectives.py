@@ -36,6 +36,7 @@ class LinkLoad:
     intra_bytes: float
     steps: int
     raw_rate: bool = False  # a point-to-point stream: the link's bandwidth, not its collective efficiency
+    alone: bool = False  # a group of one rank: the runtime calls nothing
 
     def seconds(self, cluster: Cluster, share: float = 1.0) -> float:
         """Time on the wire with `share` of each link (others in flight take the rest)."""
@@ -47,6 +48,8 @@ class LinkLoad:
         return max(inter, intra)
 
     def latency(self, cluster: Cluster) -> float:
+        if self.alone:
+            return 0.0
         link = cluster.inter_node if self.inter_bytes else cluster.intra_node
         return cluster.collective_overhead_s + self.steps * link.latency_s
 
@@ -64,7 +67,7 @@ def link_load(kind: str, payload: float, group: list[int], topology: Topology, c
     this rank contributes (the whole buffer for all-gather and reduce-scatter)."""
     size = len(group)
     if size <= 1 or payload <= 0:
-        return LinkLoad(0.0, 0.0, 0)
+        return LinkLoad(0.0, 0.0, 0, alone=size <= 1)
     node = topology.node_of(group[0])
     remote = sum(1 for r in group if topology.node_of(r) != node)
     local_peers = size - remote - 1

@@ -3,9 +3,11 @@
 The candidates are the pass lists and options the simulator models: expert parallelism at
 every ep size that divides the world and the experts, partitioned all-to-all
 (`partition_a2a:k` in 1, 2, 4, 8, auto), expert packing (`pack_experts:degree`, the experts
-per device of that ep), the locality gate (top-1 routers, experts on more than one node),
-sparse embedding communication (untied tables), ZeRO stages 1-3 and bf16 where the device
-has a bf16 rate. The search is a beam over those dimensions in that order: the MoE
+per device of that ep), tensor parallelism inside a node (tp 2, 4, 8), pipelines (pp up to
+the model's layers, pp or 4 pp micro-batches) and their boundary compression
+(`compress_pipeline:rank` 4, 16, 64), the locality gate (top-1 routers, experts on more
+than one node), sparse embedding communication (untied tables), ZeRO stages 1-3 and bf16
+where the device has a bf16 rate. The search is a beam over those dimensions in that order: the MoE
 communication structure is enumerated in full, then each dimension extends the best few
 plans so far (a dimension's choices barely interact with the ones already made, and the
 full product is hundreds of plans). Plans are ranked by predicted step among those that
@@ -24,8 +26,12 @@ from . import Captures, Prediction, simulate, topology_for
 from .cluster import Cluster
 
 K_CHOICES = ("1", "2", "4", "8", "auto")
+MICROBATCHES_PER_STAGE = (1, 4)  # pipeline_split:microbatches = pp x each
+COMPRESSION_RANKS = (4, 16, 64)
 BEAM = 3
-LOSSY = {"locality_gate": "changes routing (lossy)"}
+LOSSY = {"locality_gate": "changes routing (lossy)", "compress_pipeline": "low-rank boundary gradients (lossy)"}
+# Passes that come after the model-parallel ones in a pass list (a dimension inserts before them).
+LATER = ("pipeline_split", "compress_pipeline", "shard_states")
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,13 @@ class Candidate:
     passes: str
     ep: int = 0  # 0: the data-parallel size
     precision: str = "fp32"
+    pp: int = 1
+    tp: int = 1
 
     def command_args(self) -> str:
-        """The flags that run this plan: `--passes ...` and, where not the default, --ep and --precision."""
-        return f"--passes {self.passes}" + (f" --ep {self.ep}" if self.ep else "") + (f" --precision {self.precision}" if self.precision != "fp32" else "")
+        """The flags that run this plan: `--passes ...` and, where not the default, --ep, --pp, --tp and --precision."""
+        sizes = "".join(f" --{name} {size}" for name, size in (("ep", self.ep), ("pp", self.pp), ("tp", self.tp)) if size > (name != "ep"))
+        return f"--passes {self.passes}{sizes}" + (f" --precision {self.precision}" if self.precision != "fp32" else "")
 
     def with_passes(self, passes: str) -> Candidate:
         return dataclasses.replace(self, passes=passes)
@@ -74,6 +83,7 @@ class Facts:
     num_experts: int = 0  # 0: no MoE block
     top_k: int = 0
     untied_tables: int = 0
+    layers: int = 1  # the most pipeline stages the model can be cut into
 
 
 @dataclass
@@ -120,7 +130,8 @@ class Planner:
             return self.seen[candidate]
         ranked = Ranked(candidate)
         try:
-            plan = Plan.from_cli(candidate.passes, world_size=self.cluster.world_size, ep=candidate.ep, ranks_per_node=self.cluster.ranks_per_node)
+            plan = Plan.from_cli(candidate.passes, world_size=self.cluster.world_size, ep=candidate.ep, ranks_per_node=self.cluster.ranks_per_node,
+                                 pp=candidate.pp, tp=candidate.tp)
             plan = dataclasses.replace(plan, precision=candidate.precision)
             ranked.prediction = simulate(self.model, plan, self.cluster, seed=self.seed, model_kwargs=self.model_kwargs, captures=self.captures,
                                          rows_per_rank=self.rows_per_rank)
@@ -135,6 +146,7 @@ class Planner:
     def facts(self) -> Facts:
         """Experts, top-k and untied embedding tables of the model, from its lifted graph."""
         from ..compiler.pipeline import compile_program
+        from ..passes.pipeline_split import count_model_layers
 
         plan = topology_for(self.cluster, Plan.from_cli("lift", world_size=self.cluster.world_size, ranks_per_node=self.cluster.ranks_per_node))
         model, local, captured = self.captures.get(self.model, self.seed, self.model_kwargs, plan.topology.dp)
@@ -143,6 +155,7 @@ class Planner:
         return Facts(
             num_experts=blocks[0].num_experts if blocks else 0, top_k=max((b.top_k for b in blocks), default=0),
             untied_tables=sum(1 for t in regions.embeddings if t.trainable and not t.tied),
+            layers=max(1, count_model_layers(model)),
         )
 
 
@@ -164,10 +177,22 @@ def structures(facts: Facts, world: int) -> list[Candidate]:
 
 
 def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Cluster) -> list[Candidate]:
-    """`candidate` with each choice of one dimension (its own choice, unchanged, first)."""
+    """`candidate` with each choice of one dimension (its own choice, unchanged, first):
+    tp sizes inside a node, pipeline depths (up to the layers) with pp or 4 pp micro-batches,
+    a pipeline's boundary compression rank, then the rest."""
     passes = candidate.passes
     out = [candidate]
-    if dimension == "locality" and facts.top_k == 1 and "expert_parallel" in passes and cluster.nodes > 1:
+    world = cluster.world_size
+    if dimension == "tensor" and candidate.pp == 1:
+        for tp in (t for t in (2, 4, 8) if cluster.ranks_per_node % t == 0 and world % t == 0 and t < world):
+            out.append(dataclasses.replace(candidate, passes=_insert(passes, "tensor_parallel"), tp=tp))
+    elif dimension == "pipeline" and candidate.pp == 1:
+        for pp in (p for p in range(2, min(facts.layers, world) + 1) if (world // candidate.tp) % p == 0):
+            out += [dataclasses.replace(candidate, passes=_insert(passes, f"pipeline_split:microbatches={pp * m}"), pp=pp)
+                    for m in MICROBATCHES_PER_STAGE]
+    elif dimension == "compression" and candidate.pp > 1:
+        out += [candidate.with_passes(_insert(passes, f"compress_pipeline:rank={r}", before=("shard_states",))) for r in COMPRESSION_RANKS]
+    elif dimension == "locality" and facts.top_k == 1 and "expert_parallel" in passes and cluster.nodes > 1:
         out.append(candidate.with_passes(passes.replace("lift,", "lift,locality_gate,", 1)))
     elif dimension == "embedding" and facts.untied_tables:
         out.append(candidate.with_passes(f"{passes},split_embedding_comm"))
@@ -176,6 +201,21 @@ def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Clus
     elif dimension == "precision" and "bf16" in cluster.device.flops:
         out.append(dataclasses.replace(candidate, precision="bf16"))
     return out
+
+
+DIMENSIONS = ("tensor", "pipeline", "compression", "locality", "embedding", "sharding", "precision")
+
+
+def _plain(facts: Facts) -> list[Candidate]:
+    """No communication rewrite, and naive expert parallelism where there are experts (the baseline)."""
+    return [Candidate("lift")] + ([Candidate("lift,expert_parallel")] if facts.num_experts else [])
+
+
+def _insert(passes: str, text: str, before: tuple[str, ...] = LATER) -> str:
+    """`passes` with `text` added before the first of `before` it has, else at the end."""
+    parts = passes.split(",")
+    at = next((i for i, p in enumerate(parts) if p.split(":")[0] in before), len(parts))
+    return ",".join(parts[:at] + [text] + parts[at:])
 
 
 def search(
@@ -191,10 +231,13 @@ def search(
         baseline = planner.run(candidates[0]) if candidates else None
     else:
         best = _best([planner.run(c) for c in structures(facts, cluster.world_size)], beam)
-        for dimension in ("locality", "embedding", "sharding", "precision"):
-            grown = [planner.run(c) for r in best for c in extensions(r.candidate, dimension, facts, cluster)]
+        plain = [planner.run(c) for c in _plain(facts)]
+        for dimension in DIMENSIONS:
+            # model parallelism re-lays out the experts a structure was sized for: grow the plain ones too
+            seeds = best + [r for r in plain if r not in best] if dimension in ("tensor", "pipeline") else best
+            grown = [planner.run(c) for r in seeds for c in extensions(r.candidate, dimension, facts, cluster)]
             best = _best(grown, beam)
-        baseline = planner.run(Candidate("lift,expert_parallel" if facts.num_experts else "lift"))
+        baseline = plain[-1]
     ranked: list[Ranked] = []
     duplicates = 0
     for r in sorted(planner.seen.values(), key=Ranked.key):
