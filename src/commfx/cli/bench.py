@@ -138,6 +138,9 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 
 def _number(text: str):
+    """A --model-arg value: an int, a float, true/false (a config's flags), else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)

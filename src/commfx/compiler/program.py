@@ -112,6 +112,11 @@ def _continue_names(copy_: fx.Graph, original: fx.Graph) -> None:
     new._base_count = dict(old._base_count)
 
 
+# node.meta key: the node's traced value is whole, but each rank computes 1/parts of it
+# (tensor_parallel's split values and row linears); cost models divide by it.
+TP_PARTS = "commfx_tp_parts"
+
+
 def stamp(node: fx.Node, pass_name: str, purpose: str) -> fx.Node:
     """Record which pass made `node` and why (shown by `commfx dump`)."""
     node.meta["commfx"] = {"pass": pass_name, "purpose": purpose}

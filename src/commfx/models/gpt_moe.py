@@ -163,6 +163,16 @@ class GPTMoE(nn.Module):
         return self.lm_head(self.ln_f(h))
 
 
+def grouped_experts(model: nn.Module) -> None:
+    """Run the model's built-in experts eagerly as one grouped matmul over the routed rows
+    (`Experts.implementation = "grouped_mm"`) instead of the capturable per-row weight
+    gather: the same function, without a copy of an expert's weights per routed row. A
+    trace (dynamo) still records the capturable path."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.implementation = "grouped_mm"
+
+
 def build_gpt_moe(
     *, seed: int = 0, batch: int = 8, seq: int = 16, dtype: torch.dtype = torch.float32, **overrides
 ) -> tuple[GPTMoE, tuple[torch.Tensor]]:

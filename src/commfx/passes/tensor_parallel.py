@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.commfx)
-from ..compiler.program import Program, stamp
+from ..compiler.program import TP_PARTS, Program, stamp
 from ..compiler.regions import TPBlock
 from ..compiler.rewrite import Rewriter
 from ..plan import Plan, PlanError, divisors
@@ -195,6 +195,8 @@ def _rewrite_block(rw: Rewriter, block: Block, tp: int, shards: dict) -> dict[fx
     """Rewrite one block in place; returns each replicated value -> the tp_copy it now enters through."""
     for node, args, kwargs in block.rewrites:
         node.args, node.kwargs = args, kwargs
+    for node in (*block.split, block.row):  # traced at full width: this rank computes 1/tp of each (cost models read it)
+        node.meta[TP_PARTS] = tp
     order = {n: i for i, n in enumerate(rw.graph.nodes)}
     made = {}
     for value, consumers in block.copies.items():

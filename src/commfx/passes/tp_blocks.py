@@ -27,6 +27,7 @@ class Block:
     row_layout: tuple[int, int, int]
     copies: dict[fx.Node, list[fx.Node]]  # replicated value needing tp_copy -> consumers in the block
     rewrites: list[tuple[fx.Node, tuple, dict]]  # node -> new args/kwargs (literal sizes made local)
+    split: tuple[fx.Node, ...] = ()  # the values cut over tp, the column linears' outputs onwards
 
 
 class NotABlock(Exception):
@@ -112,7 +113,8 @@ def plan_block(graph: fx.Graph, path: str, nodes: list[fx.Node], linears: list[f
                 copies.setdefault(arg, []).append(node)
     if row_layout is None:
         raise Unsupported(f"the split values never reach the output linear {row.name}")
-    return Block(path, columns, row, layouts, row_layout, copies, rewrites)
+    split = tuple(n for n, shard in shards.items() if isinstance(shard, Shard))
+    return Block(path, columns, row, layouts, row_layout, copies, rewrites, split)
 
 
 def _entry(column: fx.Node) -> fx.Node:

@@ -75,10 +75,12 @@ class Captures:
         """(model, rank 0's inputs, their captured program)."""
         from ..compiler.capture import capture
         from ..models import load_model
+        from ..models.gpt_moe import grouped_experts
 
         key = (model_name, seed, tuple(sorted(kwargs.items())))
         if key != self.key:
             self.model, self.inputs = load_model(model_name, seed=seed, **kwargs)
+            grouped_experts(self.model)  # capture's eager run at real widths fits in memory; the trace is the same
             self.key, self.traced = key, {}
         local = _rank_share(self.inputs, parts)
         if parts not in self.traced:
@@ -111,8 +113,23 @@ def simulate(
     model, local, captured = (captures or Captures()).get(model_name, seed, kwargs, plan.topology.dp)
     scale = rows_per_rank or 1
     traced_tokens = captured.tokens_per_rank or 0
-    program = compile_program(model, plan, local, captured=captured, tokens_per_rank=traced_tokens * scale if rows_per_rank else None)
+    traced_plan, microbatches = _one_traced_microbatch(plan) if rows_per_rank else (plan, 0)
+    program = compile_program(model, traced_plan, local, captured=captured, tokens_per_rank=traced_tokens * scale if rows_per_rank else None)
+    if microbatches:
+        program.regions.pipeline = dataclasses.replace(program.regions.pipeline, microbatches=microbatches)
     return simulate_program(model_name, program, plan, cluster, scale=scale)
+
+
+def _one_traced_microbatch(plan: Plan) -> tuple[Plan, int]:
+    """With one traced row a rank, a pipeline cannot cut the trace into its micro-batches:
+    compile it with one and cut the simulated rows instead. (plan to compile, micro-batches; 0
+    without a pipeline)."""
+    for i, spec in enumerate(plan.passes):
+        if spec.name == "pipeline_split":
+            count = int(spec.options.get("microbatches", 0)) or plan.topology.pp
+            one = dataclasses.replace(spec, options={**spec.options, "microbatches": "1"})
+            return dataclasses.replace(plan, passes=plan.passes[:i] + (one,) + plan.passes[i + 1 :]), count
+    return plan, 0
 
 
 def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster, *, scale: float = 1.0) -> Prediction:

@@ -138,10 +138,11 @@ def _stage_cost(program: Program, stage, plan: Plan, cluster: Cluster, tokens: f
     sync_result = sync.run()
     f, b = timed_forward.run(), timed_backward.run()
     return StageCost(
-        f.step_s, b.step_s, sync_result.step_s + gathered, compute, sync_result.compute_s, workload.activation_bytes, memory,
-        f.inter_node_bytes + b.inter_node_bytes + sync_result.inter_node_bytes,
-        f.intra_node_bytes + b.intra_node_bytes + sync_result.intra_node_bytes,
-        f.collectives + b.collectives + sync_result.collectives, f.history + b.history + sync_result.history,
+        forward_s=f.step_s, backward_s=b.step_s, sync_s=sync_result.step_s + gathered, sync_compute_s=sync_result.compute_s,
+        compute_s=compute, activation_bytes=workload.activation_bytes, memory=memory,
+        inter_bytes=f.inter_node_bytes + b.inter_node_bytes + sync_result.inter_node_bytes,
+        intra_bytes=f.intra_node_bytes + b.intra_node_bytes + sync_result.intra_node_bytes,
+        collectives=f.collectives + b.collectives + sync_result.collectives, history=f.history + b.history + sync_result.history,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..compiler.program import Program, module_path
+from ..compiler.program import TP_PARTS, Program, module_path
 from ..cost.flops import hint, node_flops
 from ..plan import DEFAULT_CLASS, Plan
 
@@ -169,7 +169,7 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
             continue
         if name in FREE or node.op == "call_method" and name in FREE:
             continue
-        flops, nbytes = _compute_cost(node, name, blocks, rows)
+        flops, nbytes = _compute_cost(node, name, blocks, rows, constant)
         if flops or nbytes:
             forward.append(Item("compute", node.name, "forward", label=_label(node), flops=flops, nbytes=nbytes))
             activation += _tensor_bytes(_value(node)) * rows
@@ -207,7 +207,9 @@ def _comm_args(node: fx.Node) -> tuple[str, str, str]:
     return group, priority, tag
 
 
-def _compute_cost(node: fx.Node, name: str, blocks: _Blocks, scale: float = 1.0) -> tuple[float, float]:
+def _compute_cost(node: fx.Node, name: str, blocks: _Blocks, scale: float = 1.0, constant: frozenset | set = frozenset()) -> tuple[float, float]:
+    """(FLOPs, bytes) of one compute node: traced shapes times `scale`, except inputs computed
+    from parameters alone (`constant`: a weight and its casts), whose bytes do not grow with rows."""
     value = _value(node)
     path = blocks.of_node(node)
     if name in ("expert_ffn", "packed_expert_ffn") and path:
@@ -217,9 +219,10 @@ def _compute_cost(node: fx.Node, name: str, blocks: _Blocks, scale: float = 1.0)
         return 0.0, 2 * blocks.rows[path] * blocks.hidden[path]
     if not isinstance(value, (torch.Tensor, tuple, list)):  # a pass's op without a traced value (the sharded head)
         return scale * node_flops(node), 0.0
-    inputs = sum(_tensor_bytes(_value(a)) for a in node.all_input_nodes if a.op != "get_attr")
-    weights = sum(_tensor_bytes(_value(a)) or _tensor_bytes(getattr(a, "_param", None)) for a in node.all_input_nodes if a.op == "get_attr")
-    return scale * node_flops(node), scale * (inputs + _tensor_bytes(value)) + weights
+    inputs = sum(_tensor_bytes(_value(a)) for a in node.all_input_nodes if a.op != "get_attr" and a not in constant)
+    weights = sum(_tensor_bytes(_value(a)) or _tensor_bytes(getattr(a, "_param", None)) for a in node.all_input_nodes if a.op == "get_attr" or a in constant)
+    parts = node.meta.get(TP_PARTS, 1)  # tensor_parallel: this rank's share of a value traced whole
+    return scale * node_flops(node) / parts, (scale * (inputs + _tensor_bytes(value)) + weights) / parts
 
 
 def _label(node: fx.Node) -> str:

@@ -55,14 +55,11 @@ class PeerUnsupported(ValueError):
 
 
 def fastest_eager_experts(model: torch.nn.Module) -> None:
-    """Built-in gpt-moe experts as a user would run them eagerly: one grouped matmul over the
-    routed rows (`Experts.implementation = "grouped_mm"`) instead of the capturable per-row
-    weight gather; an HF model's are chosen by `choose_experts_implementation`. The same function."""
-    from ...models.gpt_moe import Experts
+    """Built-in gpt-moe experts as a user would run them eagerly (`models.gpt_moe.grouped_experts`);
+    an HF model's are chosen by `choose_experts_implementation`."""
+    from ...models.gpt_moe import grouped_experts
 
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.implementation = "grouped_mm"
+    grouped_experts(model)
 
 
 def layer_list(model: torch.nn.Module) -> tuple[str, int]:
