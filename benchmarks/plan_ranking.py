@@ -14,7 +14,7 @@ from pathlib import Path
 
 from commfx.simulate import UNSUPPORTED, load_cluster
 from commfx.simulate.search import Candidate, search
-from commfx.simulate.validate import bench_model
+from commfx.simulate.validate import bench_model, layout_of
 
 HERE = Path(__file__).resolve().parent
 RUNS = [  # same model, layout and link within a run; several runs of the same plans are medians of medians
@@ -24,12 +24,15 @@ RUNS = [  # same model, layout and link within a run; several runs of the same p
     ("Lina Mixtral proportions, 2 x 1, 152 Mbit/s", ["peers_lina_mixtral_proportions_2x1.json"]),
     ("LocMoE top-1 gpt-moe, 2 x 1, 100 Mbit/s (dropless plans)", ["locmoe_top1_100mbit_2x1.json"]),
     ("ZeRO gpt-moe, 2 x 1, 1 Gbit/s", ["zero_gpt_moe_1gbit_2x1.json"]),
+    ("Optimus-CC gpt-moe hidden 256, pp 2, 2 x 1, 100 Mbit/s", ["peers_optimus_cc_pipelining_quiet_100mbit_2x1.json"]),
 ]
 
 
-def measured(files: list[str]) -> tuple[dict, dict[str, float]]:
-    """(the first JSON's record, passes -> median of the runs' median steps), commfx plans only."""
+def measured(files: list[str]) -> tuple[dict, dict[str, float], dict[str, dict]]:
+    """(the first JSON's record, passes -> median of the runs' median steps, passes -> its
+    pp/tp layout), commfx plans only."""
     steps: dict[str, list[float]] = {}
+    layouts: dict[str, dict] = {}
     first = None
     for name in files:
         record = json.loads((HERE / name).read_text())
@@ -39,14 +42,16 @@ def measured(files: list[str]) -> tuple[dict, dict[str, float]]:
             if passes.startswith("peer:") or "capacity_factor" in passes or any(p in passes for p in UNSUPPORTED):
                 continue
             steps.setdefault(passes, []).append(plan["wall"]["median_s"])
-    return first, {p: sorted(v)[len(v) // 2] for p, v in steps.items()}
+            layouts[passes] = layout_of(plan, record["world_size"])
+    return first, {p: sorted(v)[len(v) // 2] for p, v in steps.items()}, layouts
 
 
 def rank(title: str, files: list[str]) -> dict:
-    record, steps = measured(files)
+    record, steps, layouts = measured(files)
     cluster = load_cluster("emulated").with_layout(record["nodes"], record["ranks_per_node"], record["inter_node_link"])
     spec, kwargs = bench_model(record, HERE / files[0])
-    result = search(spec, cluster, memory_limit=float("inf"), model_kwargs=kwargs, candidates=[Candidate(p) for p in steps])
+    candidates = [Candidate(p, pp=layouts[p].get("pp", 1), tp=layouts[p].get("tp", 1)) for p in steps]
+    result = search(spec, cluster, memory_limit=float("inf"), model_kwargs=kwargs, candidates=candidates)
     predicted = {r.candidate.passes: r.step_s for r in result.ranked}
     order = [r.candidate.passes for r in result.ranked]
     chosen, best = order[0], min(steps, key=steps.get)

@@ -92,7 +92,7 @@ timeout 1500 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter
   --also "uncompressed=lift,pipeline_split:microbatches=2" \
   --also "rank 16 everywhere=lift,pipeline_split:microbatches=2,compress_pipeline:rank=16;epilogue_only=false" \
   --steps 8 --warmup 1 --batch 16 --model-arg hidden_size=256 --model-arg vocab_size=256 --timeout 1400 \
-  --json "$OUT/peers_optimus_cc_pipelining_100mbit_2x1.json" | tee "$OUT/peers_optimus_cc_pipelining_100mbit_2x1.txt"
+  --json "$OUT/peers_optimus_cc_pipelining_quiet_100mbit_2x1.json" | tee "$OUT/peers_optimus_cc_pipelining_quiet_100mbit_2x1.txt"
 .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
   --microbatches 2 --json "$OUT/pipeline_quality_peer_model.json" | tee "$OUT/pipeline_quality_peer_model.txt"
 # RESULTS.md, LocMoE like for like (issue 30): every router top-1, dropless and in capacity mode with LocMoE's floor,

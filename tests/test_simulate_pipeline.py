@@ -4,6 +4,7 @@ figures from its JSON; no timing here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,19 @@ def test_predicts_the_committed_optimus_cc_run():
     for c in comparisons:
         assert abs(c.step_error) <= 0.15, (c.label, c.predicted_s, c.measured_s)
         assert abs(c.ratio_error) <= 0.10, (c.label, c.predicted_ratio, c.measured_ratio)
+
+
+def test_simulate_command_line_lays_out_a_pipeline_and_traces_each_stage(tmp_path, capsys):
+    from commfx.cli.main import main
+
+    out, trace = tmp_path / "sim.json", tmp_path / "trace.json"
+    argv = ["simulate", "gpt-moe", "--passes", "lift,pipeline_split:microbatches=4,compress_pipeline", "--pp", "2", "--nodes", "2",
+            "--ranks-per-node", "1", "--inter-node", "100mbit", "--model-arg", "hidden_size=64", "--json", str(out), "--trace", str(trace)]
+    assert main(argv) == 0
+    assert "pipeline boundaries: bytes per step" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["pipeline_boundary_bytes_per_step"] > 0 and record["exposed_comm_s"] < record["step_s"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}  # a process per stage
+    actions = {e["args"]["node"] for e in events if e.get("ph") == "X" and e["pid"] == 1 and e["name"] == "stage 1"}
+    assert actions == {f"{kind}{mb}" for kind in "FB" for mb in range(4)}

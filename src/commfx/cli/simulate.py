@@ -35,10 +35,13 @@ def add_parser(subparsers) -> None:
                         help="per-node inter-node link in tc units, as `commfx bench` takes it, e.g. 100mbit or 1gbit,1ms")
     parser.add_argument("--ep", type=non_negative_int, default=0, help="expert-parallel size (default: the data-parallel size)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (with tensor_parallel in --passes)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (with pipeline_split in --passes)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
+    parser.add_argument("--rows-per-rank", type=positive_int, default=None, metavar="N",
+                        help="trace one sequence per rank and simulate N (for models too large to trace at their batch here)")
     parser.add_argument("--json", metavar="FILE", help="write the prediction here (the step as step_s)")
     parser.add_argument("--trace", metavar="FILE", help="write the simulated step as a Perfetto/Chrome trace (the format of `bench --trace`)")
     parser.add_argument("--validate", metavar="BENCH_JSON", action="append", default=[],
@@ -59,9 +62,9 @@ def _run(args) -> int:
     cluster = load_cluster(args.cluster).with_layout(args.nodes, args.ranks_per_node, args.inter_node)
     if args.validate:
         return _validate(args, cluster)
-    plan = Plan.from_cli(args.passes, world_size=cluster.world_size, ep=args.ep, tp=args.tp, ranks_per_node=cluster.ranks_per_node)
+    plan = Plan.from_cli(args.passes, world_size=cluster.world_size, ep=args.ep, tp=args.tp, pp=args.pp, ranks_per_node=cluster.ranks_per_node)
     plan = dataclasses.replace(plan, precision=args.precision)
-    prediction = simulate(args.model, plan, cluster, model_kwargs=_model_kwargs(args))
+    prediction = simulate(args.model, plan, cluster, model_kwargs=_model_kwargs(args), rows_per_rank=args.rows_per_rank)
     record = prediction.as_dict()
     _print(record, cluster)
     if args.json:
@@ -87,6 +90,8 @@ def _print(record: dict, cluster) -> None:
     use = record["link_utilisation"]
     table.add_row("inter-node link: bytes per node / utilisation", f"{record['inter_node_bytes_per_node'] / 1e6:.3g} MB / {use['inter_node']:.0%}")
     table.add_row("intra-node: bytes per rank / utilisation", f"{record['intra_node_bytes_per_rank'] / 1e6:.3g} MB / {use['intra_node']:.0%}")
+    if record.get("pipeline_boundary_bytes_per_step"):
+        table.add_row("pipeline boundaries: bytes per step, both ways", f"{record['pipeline_boundary_bytes_per_step'] / 1e6:.3g} MB")
     memory = record["peak_memory_bytes_per_rank"]
     table.add_row("peak memory per rank", f"{memory['total'] / 1e6:.4g} MB")
     table.add_row("  parameters + gradients + optimizer", f"{(memory['parameters'] + memory['gradients'] + memory['optimizer_state']) / 1e6:.4g} MB")

@@ -21,8 +21,10 @@ no gradient reduction (so the pipeline bubble is not counted as communication).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -90,7 +92,7 @@ def simulate_pipeline(program: Program, plan: Plan, cluster: Cluster, tokens: in
     compute = count * costs[slowest].compute_s + costs[slowest].sync_compute_s
     memory = _peak_memory(costs, schedule, stages, count)
     inter, intra, sends = _boundary_bytes(transfers, schedule, stages, count)
-    timeline = _timeline(timed)
+    timeline = _timeline(timed, plan)
     result = Result(
         step, compute, step - ideal + _busy(timed), step - ideal, max(c.inter_bytes for c in costs) + inter,
         max(c.intra_bytes for c in costs) + intra, max(c.collectives for c in costs) + timed.sends,
@@ -368,11 +370,30 @@ def _peak_memory(costs: list[StageCost], schedule: str, stages: int, count: int)
     return best
 
 
-def _timeline(replay: Replay) -> Timeline:
-    """The stages as one trace: stage s's actions on rank s's process track."""
-    timeline = Timeline(0)
+class StageTimelines:
+    """The simulated step as a trace: one process per stage (its first pipeline's rank), its
+    forwards, backwards and waits (boundary transfers show as the waits they cause; the
+    stages' own collectives were timed apart, per micro-batch, and are left out)."""
+
+    def __init__(self, timelines: list[Timeline]):
+        self.timelines = timelines
+
+    @property
+    def spans(self) -> list[ComputeSpan]:
+        return [span for timeline in self.timelines for span in timeline.spans]
+
+    def write(self, path, collectives) -> None:
+        events = [e for t in self.timelines for e in t.chrome_events([])]
+        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _timeline(replay: Replay, plan: Plan) -> StageTimelines:
+    ranks = plan.topology.process_groups()["pp"][0]
+    end = max(replay.ends) if replay.ends else 0.0
+    timelines = []
     for s, spans in enumerate(replay.spans):
-        for what, start, end, waiting in spans:
-            timeline.spans.append(ComputeSpan(f"stage {s} {what}", f"stage {s}" if not waiting else "wait", "pipeline", start, end, waiting))
-    timeline.step(0, 0.0, max(replay.ends) if replay.ends else 0.0)
-    return timeline
+        timeline = Timeline(ranks[s])
+        timeline.spans = [ComputeSpan(what, "wait" if waiting else f"stage {s}", "pipeline", start, stop, waiting) for what, start, stop, waiting in spans]
+        timeline.step(0, 0.0, end)
+        timelines.append(timeline)
+    return StageTimelines(timelines)

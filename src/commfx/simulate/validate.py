@@ -54,7 +54,7 @@ def bench_model(record: dict, json_path: Path) -> tuple[str, dict]:
     return spec, dict(record.get("model_kwargs") or {})
 
 
-def _layout(entry: dict, world: int) -> dict[str, int]:
+def layout_of(entry: dict, world: int) -> dict[str, int]:
     """The plan's pp and tp sizes as the run laid it out (JSONs before the bench recorded
     them ran a pipeline of one rank a stage: pp = world)."""
     layout = entry.get("layout") or {}
@@ -84,7 +84,7 @@ def validate(json_path: str | Path, cluster: Cluster | None = None, *, labels: l
         if passes.startswith("peer:"):
             skipped.append(f"{entry['label']} ({passes}): a peer, not a commfx plan")
             continue
-        plan = Plan.from_cli(passes, world_size=cluster.world_size, **_layout(entry, cluster.world_size))
+        plan = Plan.from_cli(passes, world_size=cluster.world_size, **layout_of(entry, cluster.world_size))
         unsupported = [n for n in plan.pass_names() if n in UNSUPPORTED]
         if unsupported:
             skipped.append(f"{entry['label']} ({passes}): {', '.join(unsupported)} not modelled")
