@@ -29,6 +29,16 @@ def test_presets_load_and_emulated_takes_the_bench_layout():
     assert emulated.world_size == 4 and emulated.inter_node.bandwidth == 25e6 and emulated.inter_node.latency_s == 1e-3
 
 
+def test_emulated_ranks_share_the_machines_cores():
+    """4 ranks on a 2-core machine each get half a core: every op takes twice as long; a
+    GPU cluster's ranks each have their own device."""
+    shared = load_cluster("emulated").with_layout(2, 2, cores=2).device
+    own = load_cluster("emulated").with_layout(2, 1, cores=2).device
+    assert shared.slowdown == 2.0 and own.slowdown == 1.0
+    assert shared.op_seconds(1e9, 0.0) == pytest.approx(2 * own.op_seconds(1e9, 0.0))
+    assert load_cluster("a100").with_layout(4, cores=2).device.slowdown == 1.0
+
+
 def test_bad_cluster_files_name_the_file_and_the_field(tmp_path):
     with pytest.raises(PlanError, match="unknown cluster 'h200'.*a100, emulated, h100"):
         load_cluster("h200")
@@ -138,3 +148,23 @@ def test_the_vocabulary_split_head_costs_what_the_dense_head_does():
     heads = [n for n in program.gm.graph.nodes if "vocab_parallel_loss" in str(n.target)]
     tokens = local[0].numel()
     assert len(heads) == 1 and node_flops(heads[0]) == 2.0 * tokens * 32 * 2048
+
+
+def test_a_sparse_embedding_table_exchanges_its_row_gradients_in_the_backward():
+    """split_embedding_comm:strategy=sparse: the table's gradient goes as coalesced rows to
+    every rank (exchange_row_grads, inside the backward), not in the dense all-reduce."""
+    from commfx.compiler.pipeline import compile_program
+    from commfx.models import build_gpt_moe
+    from commfx.simulate.workload import build_workload
+
+    model, (ids,) = build_gpt_moe(vocab_size=512, hidden_size=32, num_experts=4, expert_hidden=32, max_seq=16, batch=4, seq=16)
+    plan = Plan.from_cli("lift,expert_parallel,split_embedding_comm:strategy=sparse", world_size=2)
+    program = compile_program(model, plan, (ids[:2],))
+    workload = build_workload(program, plan, program.tokens_per_rank)
+    exchanges = [i.comm for i in workload.items if i.what == "start" and i.comm.tag == "embedding row grads"]
+    assert len(exchanges) == 2 and {c.group for c in exchanges} == {"world"}  # token and position tables
+    assert all(i.phase == "backward" for i in workload.items if i.what == "start" and i.comm.tag == "embedding row grads")
+    tokens, hidden = 2 * 16, 32
+    assert max(c.payload for c in exchanges) >= 2 * tokens * hidden * 4  # each rank's rows to both ranks
+    tables = [name for name in workload.params if "embed" in name]
+    assert tables and all(workload.params[name][2] is None for name in tables)  # not in the dense all-reduce

@@ -227,7 +227,7 @@ class BenchResult:
 
 def _layout(plan) -> dict[str, int]:
     t = plan.topology
-    return {"pp": t.pp, "tp": t.tp, "ep": t.expert_parallel_size}
+    return {"pp": t.pp, "tp": t.tp, "ep": t.expert_parallel_size, "precision": plan.precision}
 
 
 def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: LinkSpec | None) -> BenchResult:

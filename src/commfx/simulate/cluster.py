@@ -12,6 +12,7 @@ error naming the file and the field.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +34,14 @@ class Device:
     compute_efficiency: float
     memory_efficiency: float
     op_overhead_s: float
+    shares_cores: bool = False  # ranks run on one machine's cores (the emulated cluster): more ranks than cores share them
+    slowdown: float = 1.0  # ranks per core, when they share (`Cluster.with_layout`)
 
     def op_seconds(self, flops: float, nbytes: float, dtype: str = "fp32") -> float:
         """Roofline: the slower of the op's arithmetic and its memory traffic, plus launch."""
         peak = self.flops.get(dtype) or self.flops["fp32"]
-        return self.op_overhead_s + max(flops / (peak * self.compute_efficiency), nbytes / (self.memory_bandwidth * self.memory_efficiency))
+        seconds = self.op_overhead_s + max(flops / (peak * self.compute_efficiency), nbytes / (self.memory_bandwidth * self.memory_efficiency))
+        return seconds * self.slowdown
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,20 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def with_layout(self, nodes: int | None = None, ranks_per_node: int | None = None, inter_node: str | None = None) -> Cluster:
-        """This cluster at another size, or (any cluster) with a tc link spec for its inter-node link."""
+    def with_layout(self, nodes: int | None = None, ranks_per_node: int | None = None, inter_node: str | None = None,
+                    cores: int | None = None) -> Cluster:
+        """This cluster at another size, or (any cluster) with a tc link spec for its inter-node
+        link. A device that shares one machine's `cores` (default: this machine's) among the
+        ranks runs each op that many times slower per rank beyond one core each."""
         link = self.inter_node
         if inter_node is not None:
             spec = LinkSpec.parse(inter_node)
             link = Link(spec.rate_bits / 8, spec.latency_s, self.inter_node.efficiency)
-        return dataclasses.replace(self, nodes=nodes or self.nodes, ranks_per_node=ranks_per_node or self.ranks_per_node, inter_node=link)
+        nodes, ranks_per_node = nodes or self.nodes, ranks_per_node or self.ranks_per_node
+        device = self.device
+        if device.shares_cores:
+            device = dataclasses.replace(device, slowdown=max(1.0, nodes * ranks_per_node / (cores or os.cpu_count() or 1)))
+        return dataclasses.replace(self, nodes=nodes, ranks_per_node=ranks_per_node, inter_node=link, device=device)
 
     def describe(self) -> str:
         return (
@@ -115,6 +126,7 @@ def parse_cluster(data: dict, source: str) -> Cluster:
         memory_bandwidth=fields.number(device, "device", "memory_bandwidth"), memory_bytes=fields.number(device, "device", "memory_bytes"),
         compute_efficiency=fields.share(device, "device", "compute_efficiency"), memory_efficiency=fields.share(device, "device", "memory_efficiency"),
         op_overhead_s=fields.number(device, "device", "op_overhead_s", allow_zero=True),
+        shares_cores=bool(device.get("shares_cores", False)),
     )
     intra = fields.table("intra_node")
     inter = fields.table("inter_node")

@@ -95,7 +95,7 @@ class Simulation:
     # ------------------------------------------------------------------ the comm side
 
     def submit(self, comm: Comm, at: float) -> None:
-        group = self.groups.get(comm.group) or self.groups.setdefault(comm.group, group_of_rank0(self.plan.topology, comm.group))
+        group = self.groups.get(comm.group) or self.groups.setdefault(comm.group, self._group(comm.group))
         share = self.remote_share if comm.kind == "all_to_all" and comm.group == "ep" else None
         load = link_load(comm.kind, comm.payload, group, self.plan.topology, self.cluster, share)
         pending = Pending(comm.label, comm.priority, comm.group, comm.tag, int(comm.payload), None, t_submit=at)
@@ -105,6 +105,9 @@ class Simulation:
         self.inter += load.inter_bytes
         self.intra += load.intra_bytes
         self._issue(at)
+
+    def _group(self, name: str) -> list[int]:
+        return list(range(self.plan.topology.world_size)) if name == "world" else group_of_rank0(self.plan.topology, name)
 
     def _issue(self, at: float) -> None:
         while (lane := next_lane(self.lanes, self.in_flight, self.class_of, self.priority)) is not None:

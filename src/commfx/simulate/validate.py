@@ -9,6 +9,7 @@ judged apart from the absolute step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +56,11 @@ def bench_model(record: dict, json_path: Path) -> tuple[str, dict]:
 
 
 def layout_of(entry: dict, world: int) -> dict[str, int]:
-    """The plan's pp and tp sizes as the run laid it out (JSONs before the bench recorded
-    them ran a pipeline of one rank a stage: pp = world)."""
+    """The plan's pp, tp and ep sizes and precision as the run laid it out (JSONs before the
+    bench recorded them ran a pipeline of one rank a stage: pp = world)."""
     layout = entry.get("layout") or {}
     if layout:
-        return {"pp": layout["pp"], "tp": layout["tp"], "ep": layout["ep"]}
+        return {key: layout[key] for key in ("pp", "tp", "ep", "precision") if key in layout}
     return {"pp": world} if "pipeline_split" in entry["passes"] else {}
 
 
@@ -73,7 +74,8 @@ def validate(json_path: str | Path, cluster: Cluster | None = None, *, labels: l
     for key in ("model", "nodes", "ranks_per_node", "inter_node_link", "plans"):
         if key not in record:
             raise PlanError(f"bench JSON {json_path}: field {key} is missing (is it a `commfx bench --json` file?)")
-    cluster = (cluster or load_cluster("emulated")).with_layout(record["nodes"], record["ranks_per_node"], record["inter_node_link"])
+    cores = (record.get("machine") or {}).get("cpus")  # the measuring machine's, where ranks shared its cores
+    cluster = (cluster or load_cluster("emulated")).with_layout(record["nodes"], record["ranks_per_node"], record["inter_node_link"], cores)
     spec, kwargs = bench_model(record, json_path)
     comparisons: list[Comparison] = []
     skipped: list[str] = []
@@ -84,12 +86,21 @@ def validate(json_path: str | Path, cluster: Cluster | None = None, *, labels: l
         if passes.startswith("peer:"):
             skipped.append(f"{entry['label']} ({passes}): a peer, not a commfx plan")
             continue
-        plan = Plan.from_cli(passes, world_size=cluster.world_size, **layout_of(entry, cluster.world_size))
+        layout = layout_of(entry, cluster.world_size)
+        precision = layout.pop("precision", "fp32")
+        plan = dataclasses.replace(Plan.from_cli(passes, world_size=cluster.world_size, **layout), precision=precision)
         unsupported = [n for n in plan.pass_names() if n in UNSUPPORTED]
         if unsupported:
             skipped.append(f"{entry['label']} ({passes}): {', '.join(unsupported)} not modelled")
             continue
-        prediction = simulate(spec, plan, cluster, model_kwargs=kwargs)
+        if "capacity_factor" in passes:
+            skipped.append(f"{entry['label']} ({passes}): capacity mode (rows padded to each expert's capacity) not modelled")
+            continue
+        try:
+            prediction = simulate(spec, plan, cluster, model_kwargs=kwargs)
+        except PlanError as error:  # a run from before the bench recorded what the plan needs (its precision)
+            skipped.append(f"{entry['label']} ({passes}): {error}")
+            continue
         comparisons.append(Comparison(
             entry["label"], passes, entry["wall"]["median_s"], prediction.result.step_s,
             (entry.get("compute_only") or {}).get("median_s", 0.0), prediction.result.compute_s,

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.program import TP_PARTS, Program, module_path
-from ..cost.flops import hint, node_flops
+from ..cost.flops import hint, node_bytes, node_flops
 from ..plan import DEFAULT_CLASS, Plan
 
 FREE = {
@@ -52,7 +52,7 @@ class Comm:
 class Item:
     """One entry of a rank's step, in the order the executor meets it."""
 
-    what: str  # compute | start | wait | grads
+    what: str  # compute | start | wait | grads | exchange (a collective only the backward makes)
     name: str
     phase: str  # forward | backward | optimizer
     label: str = ""
@@ -173,6 +173,8 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
         if flops or nbytes:
             forward.append(Item("compute", node.name, "forward", label=_label(node), flops=flops, nbytes=nbytes))
             activation += _tensor_bytes(_value(node)) * rows
+        if name == "sparse_grad_embedding":
+            forward.append(_row_grad_exchange(node, next(counter), rows))
     backward = _mirror(forward, counter, first_use)
     params = _parameters(program, plan)
     # AdamW reads and writes p, g, m, v; under shard_states each rank steps its shard only
@@ -199,6 +201,17 @@ def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int, scale: float
     return None
 
 
+def _row_grad_exchange(node: fx.Node, ident: int, scale: float) -> Item:
+    """split_embedding_comm's replicated-sparse table: its backward (`exchange_row_grads`)
+    coalesces the rows' gradients per unique id and sends them, with their ids, to every rank
+    of the group. Sized as if every token's id were unique (an upper bound)."""
+    weight, _, _, group, parts, _, priority = node.args
+    rows = scale * _tensor_bytes(_value(node))
+    payload = parts * rows * (1 + 8 / (4 * max(hint(_value(weight).shape[-1]) if _value(weight) is not None else 1, 1)))
+    comm = Comm(ident, "all_to_all", "all_to_all", group, priority, "embedding row grads", payload)
+    return Item("exchange", node.name, "forward", label="exchange_row_grads", nbytes=3 * rows, comm=comm)
+
+
 def _comm_args(node: fx.Node) -> tuple[str, str, str]:
     strings = [a for a in node.args if isinstance(a, str)]
     group = strings[0] if strings else "ep"
@@ -218,7 +231,7 @@ def _compute_cost(node: fx.Node, name: str, blocks: _Blocks, scale: float = 1.0,
     if value is None and path and node.op == "call_function":  # a row op a pass made inside the block
         return 0.0, 2 * blocks.rows[path] * blocks.hidden[path]
     if not isinstance(value, (torch.Tensor, tuple, list)):  # a pass's op without a traced value (the sharded head)
-        return scale * node_flops(node), 0.0
+        return scale * node_flops(node), scale * node_bytes(node)
     inputs = sum(_tensor_bytes(_value(a)) for a in node.all_input_nodes if a.op != "get_attr" and a not in constant)
     weights = sum(_tensor_bytes(_value(a)) or _tensor_bytes(getattr(a, "_param", None)) for a in node.all_input_nodes if a.op == "get_attr" or a in constant)
     parts = node.meta.get(TP_PARTS, 1)  # tensor_parallel: this rank's share of a value traced whole
@@ -243,6 +256,9 @@ def _mirror(forward: list[Item], counter, first_use: dict[str, int]) -> list[Ite
         if item.what == "compute":
             factor = BACKWARD_FACTOR.get(item.label.split(".")[-1], 2.0)
             backward.append(Item("compute", item.name, "backward", label=item.label, flops=factor * item.flops, nbytes=2 * item.nbytes))
+        elif item.what == "exchange":  # a backward-only exchange: coalesce, send, wait
+            backward += [Item("compute", item.name, "backward", label=item.label, nbytes=item.nbytes),
+                         Item("start", item.name, "backward", comm=item.comm), Item("wait", item.name, "backward", comm_id=item.comm.id)]
         elif item.what == "wait":
             comm = _find_comm(forward, item.comm_id)
             if comm.kind == "all_to_all" and comm.payload > 64:
