@@ -23,7 +23,7 @@ RUNS = [  # same model, layout and link within a run; several runs of the same p
     ("Lina gpt-moe expert_hidden=1024, 2 x 2, 100 Mbit/s", ["lina_100mbit.json"]),
     ("Lina Mixtral proportions, 2 x 1, 152 Mbit/s", ["peers_lina_mixtral_proportions_2x1.json"]),
     ("LocMoE top-1 gpt-moe, 2 x 1, 100 Mbit/s (dropless plans)", ["locmoe_top1_100mbit_2x1.json"]),
-    ("ZeRO gpt-moe, 2 x 1, 1 Gbit/s", ["zero_gpt_moe_1gbit_2x1.json"]),
+    ("ZeRO gpt-moe, 2 x 1, 1 Gbit/s (quiet rerun)", ["zero_gpt_moe_quiet_1gbit_2x1.json"]),
     ("Optimus-CC gpt-moe hidden 256, pp 2, 2 x 1, 100 Mbit/s", ["peers_optimus_cc_pipelining_quiet_100mbit_2x1.json"]),
 ]
 
@@ -48,9 +48,11 @@ def measured(files: list[str]) -> tuple[dict, dict[str, float], dict[str, dict]]
 
 def rank(title: str, files: list[str]) -> dict:
     record, steps, layouts = measured(files)
-    cluster = load_cluster("emulated").with_layout(record["nodes"], record["ranks_per_node"], record["inter_node_link"])
+    cores = (record.get("machine") or {}).get("cpus")
+    cluster = load_cluster("emulated").with_layout(record["nodes"], record["ranks_per_node"], record["inter_node_link"], cores)
     spec, kwargs = bench_model(record, HERE / files[0])
-    candidates = [Candidate(p, pp=layouts[p].get("pp", 1), tp=layouts[p].get("tp", 1)) for p in steps]
+    candidates = [Candidate(p, pp=layouts[p].get("pp", 1), tp=layouts[p].get("tp", 1), precision=layouts[p].get("precision", "fp32"))
+                  for p in steps]
     result = search(spec, cluster, memory_limit=float("inf"), model_kwargs=kwargs, candidates=candidates)
     predicted = {r.candidate.passes: r.step_s for r in result.ranked}
     order = [r.candidate.passes for r in result.ranked]

@@ -157,6 +157,7 @@ class Simulation:
         buckets = self._buckets()
         ready: set[str] = set()
         next_bucket = 0
+        bucket_of = {name: index for index, (_, members, _) in enumerate(buckets) for name in members}
         gathers = self._gather(buckets, 1, t) if self.zero == 3 else []
         collectives += len(gathers)
         phase = "forward"
@@ -165,8 +166,13 @@ class Simulation:
                 end = self._wait_all(gathers, t)
                 blocked += end - t
                 t = end
-                collectives += len(self._gather(buckets, 2, t))
+                gathers = self._gather(buckets, 2, t)
+                collectives += len(gathers)
             phase = item.phase
+            if gathers and item.params and item.what in ("compute", "grads"):  # stage 3: a bucket is whole before its use
+                end = self._wait_all([gathers[bucket_of[p]] for p in item.params if p in bucket_of], t)
+                blocked += end - t
+                t = end
             if item.what == "compute":
                 if item.phase == "optimizer":
                     start = t

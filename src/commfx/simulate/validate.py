@@ -64,8 +64,10 @@ def layout_of(entry: dict, world: int) -> dict[str, int]:
     return {"pp": world} if "pipeline_split" in entry["passes"] else {}
 
 
-def validate(json_path: str | Path, cluster: Cluster | None = None, *, labels: list[str] | None = None) -> tuple[list[Comparison], list[str]]:
-    """(comparisons, skipped plans with why) for one bench JSON."""
+def validate(json_path: str | Path, cluster: Cluster | None = None, *, labels: list[str] | None = None,
+             precision: str = "fp32") -> tuple[list[Comparison], list[str]]:
+    """(comparisons, skipped plans with why) for one bench JSON; `precision`: the plans'
+    where the JSON does not say (runs from before the bench recorded it)."""
     json_path = Path(json_path)
     try:
         record = json.loads(json_path.read_text())
@@ -87,7 +89,7 @@ def validate(json_path: str | Path, cluster: Cluster | None = None, *, labels: l
             skipped.append(f"{entry['label']} ({passes}): a peer, not a commfx plan")
             continue
         layout = layout_of(entry, cluster.world_size)
-        precision = layout.pop("precision", "fp32")
+        precision = layout.pop("precision", precision)
         plan = dataclasses.replace(Plan.from_cli(passes, world_size=cluster.world_size, **layout), precision=precision)
         unsupported = [n for n in plan.pass_names() if n in UNSUPPORTED]
         if unsupported:

@@ -60,7 +60,7 @@ class Item:
     nbytes: float = 0.0
     comm: Comm | None = None
     comm_id: int = -1
-    params: list[str] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)  # grads: ready now; forward: first read here
 
 
 @dataclass
@@ -175,6 +175,9 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
             activation += _tensor_bytes(_value(node)) * rows
         if name == "sparse_grad_embedding":
             forward.append(_row_grad_exchange(node, next(counter), rows))
+    for param, index in first_use.items():  # the item that first reads a parameter (shard_states:stage=3 gathers it before)
+        if index < len(forward):
+            forward[index].params.append(param)
     backward = _mirror(forward, counter, first_use)
     params = _parameters(program, plan)
     # AdamW reads and writes p, g, m, v; under shard_states each rank steps its shard only
