@@ -54,7 +54,7 @@ def test_model_parallel_dimensions_lay_out_tp_pp_and_compression():
     """tp inside a node, pp up to the layers with pp and 4 pp micro-batches, and a pipeline's
     compression rank, each inserted before the passes that come after model parallelism."""
     cluster = load_cluster("a100").with_layout(2)  # 16 ranks, 8 a node
-    facts = Facts(num_experts=16, top_k=2, untied_tables=0, layers=4)
+    facts = Facts(num_experts=16, top_k=2, untied_tables=0, layers=4, batch_rows=256)
     sharded = Candidate("lift,expert_parallel,shard_states:stage=1")
     tensor = extensions(sharded, "tensor", facts, cluster)[1:]
     assert [(c.passes, c.tp) for c in tensor] == [("lift,expert_parallel,tensor_parallel,shard_states:stage=1", t) for t in (2, 4, 8)]
@@ -64,6 +64,8 @@ def test_model_parallel_dimensions_lay_out_tp_pp_and_compression():
     squeezed = extensions(piped[0], "compression", facts, cluster)[1:]
     assert [c.passes for c in squeezed] == [f"{piped[0].passes},compress_pipeline:rank={r}" for r in (4, 16, 64)]
     assert squeezed[0].command_args().endswith("--pp 2") and extensions(Candidate("lift"), "compression", facts, cluster) == [Candidate("lift")]
+    few_rows = extensions(Candidate("lift,expert_parallel"), "pipeline", Facts(16, 2, 0, layers=4, batch_rows=16), cluster)[1:]
+    assert {(c.pp, c.passes.rsplit("=", 1)[1]) for c in few_rows} == {(2, "2"), (4, "4")}  # 2 and 4 rows a data-parallel rank
 
 
 def test_the_search_ranks_pipelines_beside_expert_parallelism(capsys):

@@ -84,6 +84,7 @@ class Facts:
     top_k: int = 0
     untied_tables: int = 0
     layers: int = 1  # the most pipeline stages the model can be cut into
+    batch_rows: int = 0  # the global batch's rows (micro-batches must cut a data-parallel rank's share)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class Planner:
             num_experts=blocks[0].num_experts if blocks else 0, top_k=max((b.top_k for b in blocks), default=0),
             untied_tables=sum(1 for t in regions.embeddings if t.trainable and not t.tied),
             layers=max(1, count_model_layers(model)),
+            batch_rows=self.rows_per_rank * self.cluster.world_size if self.rows_per_rank else _rows(self.captures.inputs),
         )
 
 
@@ -178,8 +180,9 @@ def structures(facts: Facts, world: int) -> list[Candidate]:
 
 def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Cluster) -> list[Candidate]:
     """`candidate` with each choice of one dimension (its own choice, unchanged, first):
-    tp sizes inside a node, pipeline depths (up to the layers) with pp or 4 pp micro-batches,
-    a pipeline's boundary compression rank, then the rest."""
+    tp sizes inside a node, pipeline depths (up to the layers) with pp or 4 pp micro-batches
+    (those that cut a data-parallel rank's rows), a pipeline's boundary compression rank,
+    then the rest."""
     passes = candidate.passes
     out = [candidate]
     world = cluster.world_size
@@ -188,8 +191,9 @@ def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Clus
             out.append(dataclasses.replace(candidate, passes=_insert(passes, "tensor_parallel"), tp=tp))
     elif dimension == "pipeline" and candidate.pp == 1:
         for pp in (p for p in range(2, min(facts.layers, world) + 1) if (world // candidate.tp) % p == 0):
+            rows = facts.batch_rows // (world // (pp * candidate.tp))  # a data-parallel rank's
             out += [dataclasses.replace(candidate, passes=_insert(passes, f"pipeline_split:microbatches={pp * m}"), pp=pp)
-                    for m in MICROBATCHES_PER_STAGE]
+                    for m in MICROBATCHES_PER_STAGE if rows and rows % (pp * m) == 0]
     elif dimension == "compression" and candidate.pp > 1:
         out += [candidate.with_passes(_insert(passes, f"compress_pipeline:rank={r}", before=("shard_states",))) for r in COMPRESSION_RANKS]
     elif dimension == "locality" and facts.top_k == 1 and "expert_parallel" in passes and cluster.nodes > 1:
@@ -204,6 +208,12 @@ def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Clus
 
 
 DIMENSIONS = ("tensor", "pipeline", "compression", "locality", "embedding", "sharding", "precision")
+
+
+def _rows(inputs) -> int:
+    """Rows of a model's example batch (the first dimension of its first tensor input)."""
+    values = inputs.values() if isinstance(inputs, dict) else (inputs[0] if len(inputs) == 2 and isinstance(inputs[1], dict) else inputs)
+    return next((int(t.shape[0]) for t in values if hasattr(t, "shape") and len(t.shape)), 0)
 
 
 def _plain(facts: Facts) -> list[Candidate]:
@@ -237,7 +247,7 @@ def search(
             seeds = best + [r for r in plain if r not in best] if dimension in ("tensor", "pipeline") else best
             grown = [planner.run(c) for r in seeds for c in extensions(r.candidate, dimension, facts, cluster)]
             best = _best(grown, beam)
-        baseline = plain[-1]
+        baseline = next((r for r in reversed(plain) if not r.refused), plain[-1])  # naive EP, else no rewrite
     ranked: list[Ranked] = []
     duplicates = 0
     for r in sorted(planner.seen.values(), key=Ranked.key):
