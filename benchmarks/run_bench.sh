@@ -140,7 +140,7 @@ for P in bf16 fp32; do
     --flops-per-rank 2e10 --collective-overhead 5e-3 --precision $P \
     --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs lift,expert_parallel "${extra[@]}" \
     --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 6 --warmup 1 --timeout 1100 \
-    --json "$OUT/mixed_precision_lina_${P}_100mbit_2x1.json" | tee "$OUT/mixed_precision_lina_${P}_100mbit_2x1.txt"
+    --json "$OUT/mixed_precision_lina_${P}_quiet_100mbit_2x1.json" | tee "$OUT/mixed_precision_lina_${P}_quiet_100mbit_2x1.txt"
 done
 nice -n 10 timeout 2400 .venv/bin/python benchmarks/fp8_dispatch_quality.py --seeds 0,1,2 --steps 300 \
   --json "$OUT/fp8_dispatch_quality.json" | tee "$OUT/fp8_dispatch_quality.txt"
