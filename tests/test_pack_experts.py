@@ -157,7 +157,10 @@ def test_packed_expert_parallel_equals_the_model(subset):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_packed_expert_parallel_with_and_without_chunks_equals_the_model_at_world_4():
+    """The world-2 cases above at world 4 (more devices holding a packed expert): a heavier
+    duplicate, under `make test-all`."""
     cases = [
         VerifyCase("gpt-moe", Plan.from_cli(PACKED, world_size=4), batch=5),
         VerifyCase("gpt-moe", Plan.from_cli(PACKED + ",partition_a2a:k=2", world_size=4), batch=6),
