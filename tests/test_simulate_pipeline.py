@@ -29,7 +29,7 @@ def _transfers(stages: int, seconds: float) -> list[Transfer]:
 @pytest.mark.parametrize("stages,count", [(2, 2), (3, 4), (4, 8)])
 def test_replay_with_free_transfers_gives_the_textbook_step(schedule, stages, count):
     """Equal stages, free transfers: both schedules take (M + S - 1)(F + B)."""
-    replay = _replay(schedule, _costs(stages, 1.0, 2.0), _transfers(stages, 0.0), count, CLUSTER)
+    replay = _replay(schedule, _costs(stages, 1.0, 2.0), _transfers(stages, 0.0), count)
     assert max(replay.ends) == pytest.approx((count + stages - 1) * 3.0)
 
 
@@ -37,7 +37,7 @@ def test_a_send_travels_once_the_receiver_posts_its_receive():
     """1F1B, 2 stages, 2 micro-batches: the last stage runs F0 B0 F1 B1, so the second
     activation waits for B0 to end on the receiver before it moves (rendezvous), even though
     the first stage had it ready long before."""
-    replay = _replay("1f1b", _costs(2, 1.0, 2.0), _transfers(2, 0.5), 2, CLUSTER)
+    replay = _replay("1f1b", _costs(2, 1.0, 2.0), _transfers(2, 0.5), 2)
     f0, b0 = (next(s for s in replay.spans[1] if s[0] == name) for name in ("F0", "B0"))
     assert f0[1] == pytest.approx(1.5)  # F0 of stage 0 (1.0), then the activation (0.5)
     starts = sorted(start for start, _ in replay.wire)
@@ -65,7 +65,7 @@ def test_compress_pipeline_squeezes_the_critical_sends_only_and_shortens_a_slow_
     assert plain.result.step_s > 1.1 * epilogue.result.step_s
     # off the critical path a compressed send saves no time (Optimus-CC's point): only its codec costs
     assert everywhere.result.step_s == pytest.approx(epilogue.result.step_s, rel=0.05)
-    assert all(0.0 <= p.result.exposed_comm_s < p.result.step_s for p in (plain, epilogue, everywhere))
+    assert all(0.0 <= p.result.exposed_comm_s <= p.result.comm_s + 1e-12 < p.result.step_s for p in (plain, epilogue, everywhere))
 
 
 def test_gpipe_holds_every_micro_batch_and_1f1b_the_depth():

@@ -83,24 +83,25 @@ def simulate_pipeline(program: Program, plan: Plan, cluster: Cluster, tokens: in
     dtype = "bf16" if plan.precision == "bf16" else "fp32"
     costs = [_stage_cost(program, stage, plan, cluster, tokens / count, scale / count, dtype) for stage in pipeline.stages]
     transfers = [_transfer(program, b, plan, cluster, scale / count, dtype) for b in pipeline.boundaries]
-    timed = _replay(schedule, costs, transfers, count, cluster)
-    free = _replay(schedule, costs, [_free(t) for t in transfers], count, cluster)
+    timed = _replay(schedule, costs, transfers, count)
+    free = _replay(schedule, costs, [_free(t) for t in transfers], count)
     ends = [end + cost.sync_s for end, cost in zip(timed.ends, costs)]
-    ideal = max(free.ends)
+    ideal = max(end + cost.sync_compute_s for end, cost in zip(free.ends, costs))  # free transfers, no reduction
     step = max(ends)
     slowest = ends.index(step)
     compute = count * costs[slowest].compute_s + costs[slowest].sync_compute_s
+    reduction = costs[slowest].sync_s - costs[slowest].sync_compute_s
     memory = _peak_memory(costs, schedule, stages, count)
     inter, intra, sends = _boundary_bytes(transfers, schedule, stages, count)
     timeline = _timeline(timed, plan)
     result = Result(
-        step, compute, step - ideal + _busy(timed), step - ideal, max(c.inter_bytes for c in costs) + inter,
+        step, compute, _busy(timed) + reduction, step - ideal, max(c.inter_bytes for c in costs) + inter,
         max(c.intra_bytes for c in costs) + intra, max(c.collectives for c in costs) + timed.sends,
         memory, timeline, [h for c in costs for h in c.history], sends,
     )
     notes = [
         f"pipeline: {stages} stages, {schedule}, {count} micro-batches; stage {slowest} ends last; "
-        f"bubble {ideal - count * max(c.compute_s for c in costs):.4g} s with free transfers; "
+        f"bubble {max(free.ends) - count * max(c.compute_s for c in costs):.4g} s with free transfers; "
         f"boundary bytes per step {sends:.4g} (every boundary, both ways)",
     ]
     return result, notes
@@ -285,7 +286,7 @@ class Replay:
     wire: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each transfer
 
 
-def _replay(schedule: str, costs: list[StageCost], transfers: list[Transfer], count: int, cluster: Cluster) -> Replay:
+def _replay(schedule: str, costs: list[StageCost], transfers: list[Transfer], count: int) -> Replay:
     """Every stage's actions in order, each once its input has arrived; stage s's sends are
     offered on its lane and travel when the neighbour posts the matching receive."""
     stages = len(costs)
