@@ -62,7 +62,8 @@ class LowRankCodec:
             rows *= size
         return rows, cols
 
-    def _factor_rank(self, shape) -> int:
+    def factor_rank(self, shape) -> int:
+        """The rank of the factors a gradient shaped `shape` travels as."""
         rows, cols = self.matrix_shape(shape)
         return min(self.rank, rows, cols)
 
@@ -77,7 +78,7 @@ class LowRankCodec:
         for shape, dtype in specs:
             if self._compressible(shape, dtype):
                 rows, cols = self.matrix_shape(shape)
-                r = self._factor_rank(shape)
+                r = self.factor_rank(shape)
                 out += [(torch.Size((rows, r)), dtype), (torch.Size((cols, r)), dtype)]
             else:
                 out.append((shape, dtype))

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.program import Program
+from ..cost.flops import hint
 from ..plan import Plan
 from ..runtime.pipeline.schedule import actions, critical_backwards
 from ..runtime.trace import ComputeSpan, Timeline
@@ -131,7 +132,8 @@ def _stage_cost(program: Program, stage, plan: Plan, cluster: Cluster, tokens: f
     timed_forward = _engine(view, plan, cluster, forward)
     timed_backward = _engine(view, plan, cluster, backward)
     compute = sum(cluster.device.op_seconds(i.flops, i.nbytes, dtype) for i in forward + backward if i.what == "compute")
-    sync = _engine(view, plan, cluster, _sync_items(workload, stage), params=_sync_params(workload, stage))
+    reduced = _sync_params(workload, stage)
+    sync = _engine(view, plan, cluster, _sync_items(workload, stage, reduced), params=reduced)
     whole = _engine(view, plan, cluster, [], params=workload.params)  # the parameters as held, for memory and gathers
     memory = whole._memory()
     gathered = 0.0
@@ -150,6 +152,7 @@ def _stage_cost(program: Program, stage, plan: Plan, cluster: Cluster, tokens: f
 
 
 def _engine(view: Program, plan: Plan, cluster: Cluster, items: list[Item], params: dict | None = None) -> Simulation:
+    """The one-rank engine on a part of a stage's step (`params`: the parameters it reduces)."""
     simulation = Simulation(Workload(items, params or {}, 0.0, []), view, plan, cluster)
     if params is None:
         simulation.zero = 0  # a part of the step: parameters gathered once per step, below
@@ -179,12 +182,13 @@ def _param_shape(stage, name: str):
         return None
 
 
-def _sync_items(workload: Workload, stage) -> list[Item]:
-    """Gradients ready at once (the schedule has ended), the dp codec's products, the step."""
+def _sync_items(workload: Workload, stage, reduced: dict) -> list[Item]:
+    """Gradients ready at once (the schedule has ended), the dp codec's products (on the
+    `reduced` sizes, `_sync_params`), the step."""
     items = [Item("grads", "grads", "backward", params=list(workload.params))]
     codec = stage.dp_codec
     if codec is not None:
-        flops = sum(6.0 * codec.rank * n for n, _, g in _sync_params(workload, stage).values() if g == "dp")
+        flops = sum(6.0 * codec.rank * n for n, _, g in reduced.values() if g == "dp")
         items.append(Item("compute", "dp_powersgd", "backward", label="PowerSGD dp factors", flops=flops))
     return items + [i for i in workload.items if i.phase == "optimizer"]
 
@@ -204,13 +208,14 @@ def _transfer(program: Program, boundary, plan: Plan, cluster: Cluster, scale: f
     compressed, encode, decode = backward, 0.0, 0.0
     if codec is not None:
         compressed = sum(_nbytes(s) for s in codec.payload_specs(grads, True))
-        flops = sum(2.0 * math.prod(codec.matrix_shape(shape)) * codec._factor_rank(shape) for shape, _ in grads)
+        flops = sum(2.0 * math.prod(codec.matrix_shape(shape)) * codec.factor_rank(shape) for shape, _ in grads)
         # P = M Q, Q = Mᵀ P and the residual (P's orthogonalisation is r² n, small beside them);
         # eager torch ops, not graph nodes: one launch each side
         encode = cluster.device.op_seconds(3 * flops, 4 * backward, dtype)
         decode = cluster.device.op_seconds(flops, backward, dtype)  # P Qᵀ
-    seconds = [_p2p_seconds(boundary.index, nbytes, plan, cluster) for nbytes in (forward, backward, compressed)]
-    return Transfer(*seconds, forward, backward, compressed, _sharing(boundary.index, plan), encode, decode, codec)
+    sharing = _sharing(boundary.index, plan)
+    seconds = [_p2p_seconds(boundary.index, nbytes, sharing, plan, cluster) for nbytes in (forward, backward, compressed)]
+    return Transfer(*seconds, forward, backward, compressed, sharing, encode, decode, codec)
 
 
 def _values(stage) -> dict[str, torch.Tensor]:
@@ -226,8 +231,6 @@ def _values(stage) -> dict[str, torch.Tensor]:
 
 def _spec(value: torch.Tensor, scale: float) -> tuple[torch.Size, torch.dtype]:
     """A boundary value's shape for one micro-batch (its traced shape, rows scaled)."""
-    from ..cost.flops import hint
-
     shape = [hint(s) for s in value.shape]
     if shape:
         shape[0] = max(1, round(shape[0] * scale))
@@ -248,11 +251,11 @@ def _sharing(index: int, plan: Plan) -> int:
     return sum(1 for g in pipelines if topology.node_of(g[index]) == node and topology.node_of(g[index + 1]) != node)
 
 
-def _p2p_seconds(index: int, nbytes: float, plan: Plan, cluster: Cluster) -> float:
-    """Stage `index` to `index + 1` (or back), sharing the node's link with the other pipelines'."""
+def _p2p_seconds(index: int, nbytes: float, sharing: int, plan: Plan, cluster: Cluster) -> float:
+    """Stage `index` to `index + 1` (or back), sharing the node's link with `sharing` pipelines' sends."""
     first = plan.topology.process_groups()["pp"][0]
     load = link_load("send", nbytes, [first[index], first[index + 1]], plan.topology, cluster)
-    return load.latency(cluster) + load.seconds(cluster, 1.0 / max(_sharing(index, plan), 1))
+    return load.latency(cluster) + load.seconds(cluster, 1.0 / max(sharing, 1))
 
 
 def _boundary_bytes(transfers: list[Transfer], schedule: str, stages: int, count: int) -> tuple[float, float, float]:

@@ -44,7 +44,8 @@ class Candidate:
 
     def command_args(self) -> str:
         """The flags that run this plan: `--passes ...` and, where not the default, --ep, --pp, --tp and --precision."""
-        sizes = "".join(f" --{name} {size}" for name, size in (("ep", self.ep), ("pp", self.pp), ("tp", self.tp)) if size > (name != "ep"))
+        defaults = {"ep": 0, "pp": 1, "tp": 1}
+        sizes = "".join(f" --{name} {getattr(self, name)}" for name, default in defaults.items() if getattr(self, name) != default)
         return f"--passes {self.passes}{sizes}" + (f" --precision {self.precision}" if self.precision != "fp32" else "")
 
     def with_passes(self, passes: str) -> Candidate:

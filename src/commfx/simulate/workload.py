@@ -208,9 +208,11 @@ def _row_grad_exchange(node: fx.Node, ident: int, scale: float) -> Item:
     """split_embedding_comm's replicated-sparse table: its backward (`exchange_row_grads`)
     coalesces the rows' gradients per unique id and sends them, with their ids, to every rank
     of the group. Sized as if every token's id were unique (an upper bound)."""
-    weight, _, _, group, parts, _, priority = node.args
-    rows = scale * _tensor_bytes(_value(node))
-    payload = parts * rows * (1 + 8 / (4 * max(hint(_value(weight).shape[-1]) if _value(weight) is not None else 1, 1)))
+    _, _, _, group, parts, _, priority = node.args
+    value = _value(node)
+    rows = scale * _tensor_bytes(value)
+    ids = 8 * rows / (hint(value.shape[-1]) * value.element_size())  # an int64 id a row
+    payload = parts * (rows + ids)
     comm = Comm(ident, "all_to_all", "all_to_all", group, priority, "embedding row grads", payload)
     return Item("exchange", node.name, "forward", label="exchange_row_grads", nbytes=3 * rows, comm=comm)
 
