@@ -99,6 +99,12 @@ _COMPUTE_FUNCTIONS = {
     operator.matmul,
 }
 _COMPUTE_METHODS = {"matmul", "bmm", "mm", "baddbmm", "addmm", "__matmul__"}
+# Library ops (`torch.ops.<namespace>.<name>`, any namespace) that are matmuls, by name. Grouped
+# GEMMs are the experts of HF's `grouped_mm` implementation, which commfx keeps on CUDA: under
+# dynamo with float32 weights they trace as `transformers::grouped_mm_fallback`, otherwise as
+# `aten::_grouped_mm`. Left out, no cast reaches the experts and they compute in float32.
+_COMPUTE_OP_NAMES = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+_COMPUTE_FUNCTIONS.update(f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)) if f)
 # ops kept in float32 whatever they are given: norms, softmax, the loss
 _FP32_FUNCTIONS = {
     torch.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.nn.functional.log_softmax,
@@ -124,8 +130,17 @@ def precision_dtype(precision: str) -> torch.dtype:
 def is_compute_op(node: fx.Node) -> bool:
     """A matmul-like node: what autocast runs in the lower precision."""
     if node.op == "call_function":
-        return node.target in _COMPUTE_FUNCTIONS
+        return node.target in _COMPUTE_FUNCTIONS or _library_op_name(node.target) in _COMPUTE_OP_NAMES
     return node.op == "call_method" and node.target in _COMPUTE_METHODS
+
+
+def _library_op_name(target) -> str | None:
+    """`name` of a `torch.ops.<namespace>.<name>[.<overload>]` target, None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return None
 
 
 def _is_fp32_op(node: fx.Node) -> bool:

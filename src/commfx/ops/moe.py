@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import grouped_mm, grouped_mm_weight_grad
+from .autocast import register_autocast
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -113,9 +114,11 @@ def moe_dispatch(
     """
     factor = effective_capacity_factor(capacity_factor, capacity_floor)
     row_token, counts, slot = _dispatch_layout(indices, num_experts, factor)
-    rows = x.new_zeros((row_token.shape[0], x.shape[1]))
-    valid = row_token >= 0
-    rows[valid] = x[row_token[valid]]
+    if not x.shape[0]:
+        return x.new_zeros((row_token.shape[0], x.shape[1])), counts, slot
+    rows = x.index_select(0, row_token.clamp(min=0))
+    if factor > 0:  # capacity mode: padding rows (row_token -1) are zeros
+        rows.masked_fill_((row_token < 0).unsqueeze(1), 0)
     return rows, counts, slot
 
 
@@ -127,11 +130,12 @@ def effective_capacity_factor(capacity_factor: float, capacity_floor: torch.Tens
 
 
 def _dispatch_layout(indices: torch.Tensor, num_experts: int, capacity_factor: float):
-    """(row_token [R] (-1 on padding), counts [E], slot [N*k]) for a dispatch."""
+    """(row_token [R] (-1 on padding), counts [E], slot [N*k]) for a dispatch. No host sync:
+    R is known on the host (N*k, or E*capacity), and nothing is indexed by a boolean mask."""
     n, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, token order within one
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     if capacity_factor <= 0:
         slot = torch.empty_like(order)
         slot[order] = torch.arange(order.numel(), device=order.device)
@@ -141,12 +145,20 @@ def _dispatch_layout(indices: torch.Tensor, num_experts: int, capacity_factor: f
     sorted_experts = flat[order]
     position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
     keep = position < capacity
-    destination = sorted_experts[keep] * capacity + position[keep]
-    slot = torch.full_like(flat, -1)
-    slot[order[keep]] = destination
-    row_token = torch.full((num_experts * capacity,), -1, dtype=torch.int64, device=indices.device)
-    row_token[destination] = order[keep] // k
-    return row_token, torch.full_like(counts, capacity), slot
+    rows = num_experts * capacity
+    destination = torch.where(keep, sorted_experts * capacity + position, rows)  # dropped: a spare row past the end
+    slot = torch.empty_like(flat)
+    slot[order] = torch.where(keep, destination, -1)
+    row_token = torch.full((rows + 1,), -1, dtype=torch.int64, device=indices.device)
+    row_token[destination] = torch.where(keep, order // k, -1)
+    return row_token[:rows], torch.full_like(counts, capacity), slot
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, [E] int64: bincount without its host sync (on CUDA bincount
+    reads the largest index to size its output; here the size is known)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 @moe_dispatch.register_fake
@@ -172,15 +184,19 @@ def _dispatch_backward(ctx, grad_rows, grad_counts, grad_slot):
 
 
 moe_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+# The rows the experts multiply, cast before they are laid out (and sent): half the bytes.
+register_autocast(torch.ops.commfx.moe_dispatch.default, (0,))
 
 
 @torch.library.custom_op("commfx::moe_scatter_rows", mutates_args=())
 def moe_scatter_rows(rows: torch.Tensor, slot: torch.Tensor, num_tokens: int, k: int) -> torch.Tensor:
-    """The adjoint of dispatch: out[t] = sum of rows[slot[a]] over t's kept assignments a."""
-    kept = slot >= 0
-    tokens = torch.arange(slot.numel(), device=slot.device)[kept] // k
-    out = rows.new_zeros((num_tokens, rows.shape[1]))
-    return out.index_add_(0, tokens, rows[slot[kept]])
+    """The adjoint of dispatch: out[t] = sum of rows[slot[a]] over t's kept assignments a.
+    Dropped assignments (slot -1) add into a spare token past the end (no mask indexing)."""
+    out = rows.new_zeros((num_tokens + 1, rows.shape[1]))
+    if rows.shape[0]:
+        tokens = torch.where(slot >= 0, torch.arange(slot.numel(), device=slot.device) // k, num_tokens)
+        out.index_add_(0, tokens, rows.index_select(0, slot.clamp(min=0)))
+    return out[:num_tokens]
 
 
 @moe_scatter_rows.register_fake
@@ -228,9 +244,9 @@ def moe_combine_backward(
     """Gradients of moe_combine with respect to its rows and its routing weights."""
     n, k = weights.shape
     grad_assign = (grad_out.unsqueeze(1) * weights.to(rows.dtype).unsqueeze(-1)).reshape(n * k, rows.shape[1])
-    kept = slot >= 0
-    grad_rows = rows.new_zeros(rows.shape)
-    grad_rows[slot[kept]] = grad_assign[kept]
+    grad_rows = rows.new_zeros((rows.shape[0] + 1, rows.shape[1]))  # dropped assignments land in a spare row
+    grad_rows[torch.where(slot >= 0, slot, rows.shape[0])] = grad_assign
+    grad_rows = grad_rows[: rows.shape[0]]
     picked = _gather_assignments(rows, slot).view(n, k, rows.shape[1])
     grad_weights = (picked * grad_out.unsqueeze(1)).sum(-1).to(weights.dtype)
     return grad_rows, grad_weights
@@ -339,6 +355,7 @@ def _(grad_out, x, counts, gate_up, down, activation):
 
 
 expert_ffn.register_autograd(_expert_ffn_backward, setup_context=_expert_ffn_setup)
+register_autocast(torch.ops.commfx.expert_ffn.default, (0, 2, 3))  # rows and both weights
 
 
 # ---------------------------------------------------------------------------- regrouping
@@ -352,7 +369,7 @@ def group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> 
     for each of its local experts e (source-major). The experts want expert-major order.
     `inverse=True` goes back (before the combine all-to-all).
     """
-    order = _source_to_expert_order(counts)
+    order = _source_to_expert_order(counts, rows.shape[0])
     if inverse:
         out = torch.empty_like(rows)
         out[order] = rows
@@ -360,14 +377,14 @@ def group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> 
     return rows[order]
 
 
-def _source_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
-    """Indices into source-major rows that list them expert-major."""
+def _source_to_expert_order(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Indices into source-major rows that list them expert-major; `total` = counts.sum(),
+    which the host knows already (the rows' length), so it is not read back."""
     flat = counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat  # where each (source, expert) run begins, source-major
     by_expert = counts.t().reshape(-1)  # the same runs, expert-major
     begins = starts.view(counts.shape).t().reshape(-1)
     placed = torch.cumsum(by_expert, 0) - by_expert  # where each run lands, expert-major
-    total = int(flat.sum())
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(begins - placed, by_expert, output_size=total)
 
 

@@ -26,7 +26,8 @@ import torch
 
 from ..kernels import grouped_mm, packed_experts
 from ..runtime.expert_placement import current_placements
-from .moe import expert_capacity, in_rows_dtype, weighted_expert_ffn_backward
+from .autocast import register_autocast
+from .moe import expert_capacity, expert_counts, in_rows_dtype, weighted_expert_ffn_backward
 
 # ---------------------------------------------------------------------------- source side
 
@@ -71,7 +72,7 @@ def rank_dispatch(
     local_ids = torch.where(here, indices[row_token] - row_rank.unsqueeze(1) * local_experts, -1)
     row_weights = weights[row_token] * here.to(weights.dtype)
     meta = torch.cat([row_weights, local_ids.to(weights.dtype)], dim=1)
-    send = torch.bincount(row_rank, minlength=ranks)
+    send = expert_counts(row_rank, ranks)
     return x[row_token], meta, row_token, send
 
 
@@ -83,7 +84,7 @@ def capacity_kept(indices: torch.Tensor, num_experts: int, capacity_factor: floa
     n, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(flat)
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
@@ -146,6 +147,7 @@ def _(grad_rows, grad_meta, row_token, meta, num_tokens):
 
 
 rank_dispatch.register_autograd(_rank_dispatch_backward, setup_context=_rank_dispatch_setup)
+register_autocast(torch.ops.commfx.rank_dispatch.default, (0,))  # the rows, not the routing weights
 
 
 @torch.library.custom_op("commfx::scatter_add_tokens", mutates_args=())
@@ -384,3 +386,4 @@ def _(grad_out, x, local_ids, weights, gate_up, down, activation):
 
 
 packed_expert_ffn.register_autograd(_packed_ffn_backward, setup_context=_packed_ffn_setup)
+register_autocast(torch.ops.commfx.packed_expert_ffn.default, (0, 3, 4))  # rows and both weights, not the routing weights

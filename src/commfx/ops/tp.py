@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.comm import current_scheduler
+from .autocast import register_autocast
 from ..runtime.resize.linear import linear_backward, linear_forward
 from ..runtime.resize.units import units_backward, units_forward
 
@@ -117,6 +118,7 @@ def _tp_linear_grad(ctx, grad):
 
 
 tp_linear.register_autograd(_tp_linear_grad, setup_context=_tp_linear_setup)
+register_autocast(torch.ops.commfx.tp_linear.default, (0, 1, 2))  # as F.linear: input, weight, bias
 
 
 # ------------------------------------------------------------------------ migrated units
