@@ -528,6 +528,42 @@ def test_grouped_mm_cuda(dtype, trans_w):
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("trans_w", [True, False])
+@pytest.mark.parametrize("k, n, cublas", [(192, 320, True), (190, 320, False), (192, 318, False)])
+def test_grouped_mm_takes_cublas_where_bf16_layout_fits(k, n, cublas, trans_w, monkeypatch):
+    """bf16 with 16-byte strides runs torch._grouped_mm (offsets from the counts on the
+    device, no host sync) for the output and the weight gradient, and equals the reference
+    and the Triton kernel, experts with no rows included (their weight gradient exactly 0);
+    widths cuBLAS cannot take fall back to Triton."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    counts = [0, 301, 17, 0, 1, 190, 63]
+    x, w, c = make_inputs(counts, k=k, n=n, trans_w=trans_w, dtype=torch.bfloat16, seed=3)
+    xc, wc, cc = x.cuda(), w.cuda(), c.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = K.grouped_mm(xc, wc, cc, trans_w=trans_w)
+        grad = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16)
+        gw = K.grouped_mm_weight_grad(grad, xc, cc)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    forward_fits = gm_mod._cublas_fits(xc, wc.transpose(-2, -1) if trans_w else wc, out_cols=n)
+    assert forward_fits == cublas
+    assert len(calls) == int(forward_fits) + int(gm_mod._cublas_fits(grad.t(), xc, out_cols=k))
+    assert out.dtype == gw.dtype == torch.bfloat16
+    ref = K.grouped_mm_reference(x.double(), w.double(), c, trans_w=trans_w)
+    torch.testing.assert_close(out.cpu().double(), ref, **GPU_TOL[torch.bfloat16])
+    triton_out = gm_mod._grouped_mm_triton(xc, wc, cc, trans_w=trans_w)
+    torch.testing.assert_close(out, triton_out, **GPU_TOL[torch.bfloat16])
+    ref_gw = K.grouped_mm_weight_grad_reference(grad.cpu().double(), x.double(), c)
+    scale = ref_gw.abs().max().item()
+    torch.testing.assert_close(gw.cpu().double() / scale, ref_gw / scale, **GPU_TOL[torch.bfloat16])
+    assert not gw[0].any() and not gw[3].any(), "an expert with no rows gets a zero gradient"
+
+
+@gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES + [torch.int8], ids=_dtype_id)
 def test_permute_cuda(dtype):
     x = _small_values((257, 3, 70), dtype, 3).cuda()

@@ -1,8 +1,10 @@
 """Grouped (per-expert) matrix multiply for MoE expert computation.
 
 Rows of ``x`` are grouped contiguously by expert, ``counts[e]`` rows each, and
-every group is multiplied by its own weight matrix.  On CUDA this runs as one
-Triton launch over all experts; on CPU (and for dtypes the kernels do not
+every group is multiplied by its own weight matrix.  On CUDA, bf16 operands in
+cuBLAS's layout run as cuBLAS's grouped GEMM (``torch._grouped_mm``, offsets from
+the counts' cumulative sum on the device), other CUDA operands as one Triton launch
+over all experts; on CPU (and for dtypes the kernels do not
 cover, e.g. float64 on CUDA) it runs the torch reference, which is also the
 float64 ground truth the project's exactness checks use.
 
@@ -12,6 +14,8 @@ Backward of ``out = grouped_mm(x, w, counts)`` (trans_w=True, w [E, N, K]):
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -297,10 +301,15 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True) ->
     """[T, K] x per-expert weights -> [T, N]; rows grouped by expert per ``counts``.
 
     w is [E, N, K] if trans_w (F.linear layout, out = x_e @ w[e].T) else
-    [E, K, N] (out = x_e @ w[e]).  CUDA fp16/bf16/fp32 -> Triton (no host
-    sync, counts are not validated); everything else -> torch reference.
+    [E, K, N] (out = x_e @ w[e]).  CUDA bf16 with cuBLAS's layout -> torch._grouped_mm;
+    other CUDA fp16/bf16/fp32 -> Triton (neither syncs with the host; counts are not
+    validated); everything else -> torch reference.
     """
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        w_kn = w.transpose(-2, -1) if trans_w else w
+        if x.shape[0] > 0 and _cublas_fits(x, w_kn, out_cols=w_kn.shape[-1]):
+            _check_args(x, w, counts, trans_w)
+            return _grouped_mm_cublas(x, w_kn, counts)
         return _grouped_mm_triton(x, w, counts, trans_w=trans_w)
     return grouped_mm_reference(x, w, counts, trans_w=trans_w)
 
@@ -308,5 +317,65 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True) ->
 def grouped_mm_weight_grad(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True)."""
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        if x.shape[0] > 0 and grad_out.dim() == 2 and _cublas_fits(grad_out.t(), x, out_cols=x.shape[-1]):
+            return _grouped_mm_weight_grad_cublas(grad_out, x, counts)
         return _grouped_mm_weight_grad_triton(grad_out, x, counts)
     return grouped_mm_weight_grad_reference(grad_out, x, counts)
+
+
+# --------------------------------------------------------------------------
+# cuBLAS grouped GEMM (torch._grouped_mm): bf16 at the roofline on sm80+
+# --------------------------------------------------------------------------
+
+def _offsets(counts: Tensor, device: torch.device) -> Tensor:
+    """int32 inclusive cumulative sum of counts (the groups' ends), computed on the device."""
+    return torch.cumsum(counts.to(device=device), 0, dtype=torch.int32)
+
+
+def _cublas_fits(*mats: Tensor, out_cols: int) -> bool:
+    """Whether torch._grouped_mm takes these operands: bf16 on a CUDA device of compute
+    capability 8.0 or more, 16-byte aligned base pointers, and each matrix row- or
+    column-major in its last two dims with a 16-byte multiple leading stride (what
+    aten's _grouped_mm_cuda checks); `out_cols` (the output's last dim) a 16-byte
+    multiple too, or the library pads the output's rows. Reads no tensor values."""
+    if not hasattr(torch, "_grouped_mm") or out_cols % (16 // torch.bfloat16.itemsize):
+        return False
+    for m in mats:
+        if m.dtype != torch.bfloat16 or not m.is_cuda or m.data_ptr() % 16 or m.dim() not in (2, 3):
+            return False
+        rows, cols = m.shape[-2], m.shape[-1]
+        s_rows, s_cols = m.stride(-2), m.stride(-1)
+        align = 16 // m.element_size()
+        if s_cols == 1 and s_rows >= max(1, cols):
+            lead = s_rows
+        elif s_rows == 1 and s_cols >= max(1, rows):
+            lead = s_cols
+        else:
+            return False
+        if lead % align:
+            return False
+    return _capability(mats[0].device) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _grouped_mm_cublas(x: Tensor, w_kn: Tensor, counts: Tensor) -> Tensor:
+    """out[rows of e] = x_e @ w_kn[e] with w_kn [E, K, N]: one cuBLAS grouped GEMM."""
+    return torch._grouped_mm(x, w_kn, offs=_offsets(counts, x.device))
+
+
+def _grouped_mm_weight_grad_cublas(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
+    """[e] = grad_out_e.T @ x_e: the rows are the contraction, grouped by `counts`. An expert
+    with no rows gets zeros (masked on the device, whatever the library leaves there)."""
+    if grad_out.shape[0] != x.shape[0]:
+        raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
+    out = torch._grouped_mm(grad_out.t(), x, offs=_offsets(counts, x.device))
+    empty = counts.to(device=x.device) == 0
+    return out.masked_fill_(empty.view(-1, 1, 1), 0)
