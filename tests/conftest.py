@@ -8,6 +8,9 @@ import torch
 import golden_files
 
 _CALL_PASSED = pytest.StashKey[bool]()
+# Compiling costs seconds a graph: tests interpret unless they ask for compiled regions
+# (tests/test_compiled_regions.py). Spawned ranks inherit it.
+os.environ.setdefault("COMMFX_COMPUTE", "interpret")
 
 
 def pytest_configure(config):

@@ -186,6 +186,15 @@ class Topology:
 # The plan's precision settings (their dtypes live with the transform: compiler.precision).
 PRECISIONS = ("fp32", "bf16")
 MACHINE_FIGURES = ("given", "measure")  # Plan.machine: the topology's figures as written, or timed on the ranks
+# Plan.compute: "inductor" compiles the compute between collectives and runtime hooks
+# (compiler/compile_regions.py); "interpret" runs every node through the graph executor
+# (debugging, bit-for-bit comparisons). COMMFX_COMPUTE sets the default (the tests' is interpret).
+COMPUTE_MODES = ("inductor", "interpret")
+
+
+def default_compute(env: Mapping[str, str] = os.environ) -> str:
+    """The compute mode a plan gets when none is given: COMMFX_COMPUTE, else inductor."""
+    return env.get("COMMFX_COMPUTE", "").strip() or "inductor"
 
 
 def divisors(n: int) -> list[int]:
@@ -250,6 +259,8 @@ class Plan:
     # dump` shows); "measure", timed on the ranks before compiling (runtime/machine_probe.py),
     # what `commfx run` and `commfx bench` do unless figures are given.
     machine: str = "given"
+    # How the compute between collectives runs: see COMPUTE_MODES (--compute).
+    compute: str = field(default_factory=default_compute)
 
     @classmethod
     def from_cli(cls, passes: str, world_size: int | None = None, **topology: Any) -> "Plan":
@@ -291,6 +302,11 @@ class Plan:
             raise PlanError(f"grad_reduce_dtype must be one of {', '.join(PRECISIONS)}, got {self.grad_reduce_dtype!r} (--grad-reduce)")
         if self.machine not in MACHINE_FIGURES:
             raise PlanError(f"machine must be one of {', '.join(MACHINE_FIGURES)}, got {self.machine!r} (--machine)")
+        if self.compute not in COMPUTE_MODES:
+            raise PlanError(
+                f"compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r} "
+                "(--compute, or COMMFX_COMPUTE in the environment)"
+            )
         own_sync = [name for name in ("shard_states", "pipeline_split") if name in self.pass_names()]
         if self.grad_reduce_dtype != "fp32" and own_sync:
             raise PlanError(

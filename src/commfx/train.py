@@ -175,6 +175,9 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
                 f"bytes {record['bytes']:>10,}  ({record['inter_node_bytes']:,} inter-node)  {elapsed * 1000:.0f} ms",
                 flush=True,
             )
+            note = getattr(dm, "compile_note", lambda: None)() if step == first_step else None
+            if note:  # Plan.compute="inductor": what the first step spent compiling
+                print(note, flush=True)
             if LAST_AUX_LOSSES:
                 print(aux_loss_report() + "  (rank 0's batch)", flush=True)
             if LAST_CAPACITY:

@@ -13,6 +13,8 @@ import re
 import torch
 import torch.fx as fx
 
+from .compile_regions import REGION
+
 FORMATS = ("code", "tabular", "dot")
 
 
@@ -78,6 +80,7 @@ def _row(node: fx.Node) -> dict:
         "type": _type(node),
         "provenance": f"{provenance['pass']}: {provenance['purpose']}" if provenance else "",
         "inputs": [n.name for n in node.all_input_nodes],
+        "region": node.meta.get(REGION),
     }
 
 
@@ -122,7 +125,17 @@ def _type(node: fx.Node) -> str:
 
 def _as_code(rows: list[dict]) -> str:
     lines = []
+    sizes: dict[int, int] = {}
     for r in rows:
+        if r["region"] is not None:
+            sizes[r["region"]] = sizes.get(r["region"], 0) + 1
+    previous = None
+    for r in rows:
+        if r["region"] != previous and r["region"] is not None:
+            lines.append(f"# ---- region {r['region']} ({sizes[r['region']]} nodes, compiled by Inductor) ----")
+        elif r["region"] != previous:
+            lines.append("# ---- interpreted ----")
+        previous = r["region"]
         if r["op"] == "placeholder":
             line = f"%{r['name']} = input {r['target']}"
         elif r["op"] == "get_attr":
@@ -142,6 +155,9 @@ def _as_code(rows: list[dict]) -> str:
 def _as_table(rows: list[dict]) -> str:
     header = ("name", "op", "target", "type", "made by")
     table = [header] + [(r["name"], r["op"], r["target"], r["type"], r["provenance"]) for r in rows]
+    if any(r["region"] is not None for r in rows):  # a lowered graph cut into compiled regions
+        header = (*header, "region")
+        table = [header] + [(*row, "" if r["region"] is None else str(r["region"])) for row, r in zip(table[1:], rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table) + "\n"
 

@@ -5,6 +5,9 @@ Subclasses override a short, documented set of methods:
 - `call_collective(node, args, kwargs)`: nodes that communicate (commfx comm ops);
 - `on_value(node, value)`: a node's value is ready (BackwardExecutor hands gradients to
   the gradient sync here, so their all-reduce starts while backward goes on).
+A graph whose compute was compiled (compiler/compile_regions.py) holds each region as a
+submodule called by one `call_module` node whose outputs are read by `getitem` nodes: the
+executor runs it like any node, and the hooks above see each output as its own value.
 ForwardExecutor settles a parameter whose update was deferred (defer_grad_sync) just before
 the first node that uses it; under shard_states stage 3 (`params`) every executor gathers a
 parameter bucket before its first reader and frees it after its last.
@@ -22,14 +25,25 @@ from .comm import CommScheduler, active
 from .grad_sync import GradientSync
 from .trace import Timeline
 
-COMM_OPS = {"all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor", "all_reduce"}
+# The one registry of commfx ops that communicate (a collective inside, or a wait on one):
+# the executor issues them as collectives and compiled regions end at them. An op that
+# exchanges data inside (the embedding exchanges, the vocabulary-parallel loss) is one too.
+COMM_OPS = frozenset({
+    "all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor", "all_reduce",
+    "exchange_row_grads", "embedding_counts", "embedding_all_to_all",
+    "vocab_parallel_loss", "vocab_parallel_loss_backward",
+})
 _UNTIMED = {"placeholder", "output", "get_attr"}
+REGION_REPORT = "commfx_regions"  # gm.meta: what compiling the graph's regions did (compiler.compile_regions)
+
+
+def communicates(target) -> bool:
+    """Whether calling `target` (an fx node's target) communicates: a commfx op in COMM_OPS."""
+    return getattr(target, "namespace", None) == "commfx" and target._opname in COMM_OPS
 
 
 def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "commfx" and (
-        node.target._opname in COMM_OPS
-    )
+    return node.op == "call_function" and communicates(node.target)
 
 
 class GraphExecutor(fx.Interpreter):
@@ -165,4 +179,4 @@ class BackwardExecutor(GraphExecutor):
         return outputs
 
 
-__all__ = ["BackwardExecutor", "ForwardExecutor", "GraphExecutor", "first_uses", "is_collective"]
+__all__ = ["COMM_OPS", "REGION_REPORT", "BackwardExecutor", "ForwardExecutor", "GraphExecutor", "communicates", "first_uses", "is_collective"]

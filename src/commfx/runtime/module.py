@@ -31,7 +31,7 @@ from ..plan import Plan
 from .comm import CommScheduler, install_default
 from .expert_placement import Decision, placements_of, replace_experts
 from .deferred_step import DeferredStep
-from .executor import BackwardExecutor, ForwardExecutor, GraphExecutor
+from .executor import REGION_REPORT, BackwardExecutor, ForwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
 from .semi import make_controller
 from .state_shards import ShardedGradSync
@@ -123,6 +123,8 @@ class DistributedModule(torch.nn.Module):
             self.placements.get(op_id, spec["num_experts"], spec["ranks"]).weights = list(spec["weights"])
         self.optimizer_steps = 0
         self.placement_log: list[list[Decision]] = []
+        # (phase, the compiler's region report or None) per graph lowered so far (Plan.compute)
+        self.region_reports: list[tuple[str, Any]] = []
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         """Run the rewritten model on this rank's batch.
@@ -247,11 +249,14 @@ class DistributedModule(torch.nn.Module):
         params = (lambda gm: gather.run(gm)) if gather is not None else (lambda gm: None)
 
         def forward(gm):
+            self.region_reports.append(("forward", gm.meta.get(REGION_REPORT)))
             if self.deferred is not None:
                 return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline, params=params(gm)).run(*args)
 
         def backward(gm):
+            self.region_reports.append(("backward", gm.meta.get(REGION_REPORT)))
+
             def run(*args):
                 if self.deferred is not None:
                     self.synchronize()  # what the forward did not use is settled before new gradients come
@@ -262,14 +267,22 @@ class DistributedModule(torch.nn.Module):
 
             return run
 
+        def hooks(gm, phase):
+            return region_hooks(gm, phase, captured.grad_sync, self.scheduler, deferred=self.deferred is not None, gathered=gather is not None)
+
+        compile_args = {"forward": forward, "backward": backward, "compute": self.plan.compute, "hooks": hooks}
         if gather is None:
-            return self._compile_training(captured.gm, inputs, forward=forward, backward=backward)
+            return self._compile_training(captured.gm, inputs, **compile_args)
         with gather.materialized():  # tracing reads shapes only: no gather, so a rank may lower a new shape alone
-            return self._compile_training(captured.gm, inputs, forward=forward, backward=backward)
+            return self._compile_training(captured.gm, inputs, **compile_args)
 
     @property
     def comm_stats(self):
         return self.scheduler.stats
+
+    def compile_note(self) -> str | None:
+        """One line on the compiled regions of the graphs lowered so far (None: interpreted)."""
+        return regions_note(self.region_reports)
 
     def synchronize(self) -> None:
         """Apply every gradient still on the wire and the optimizer step it missed
@@ -385,6 +398,45 @@ def bind_call(program: CompiledModel, args: tuple, kwargs: dict) -> dict[str, An
             if program.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
                 bound.update(bound.pop(name))
     return bound
+
+
+def regions_note(reports: list[tuple[str, Any]]) -> str | None:
+    """'compiled regions: forward 5 (112 nodes), backward 20 (156 nodes), 3 left interpreted; Inductor 5.7 s'."""
+    done = [(phase, r) for phase, r in reports if r is not None]
+    if not done:
+        return None
+    parts = [f"{phase} {len(r.sizes)} ({sum(r.sizes)} nodes)" for phase, r in done]
+    left = sum(r.interpreted for _, r in done)
+    notes = [n for _, r in done for n in r.notes]
+    line = f"compiled regions: {', '.join(parts)}, {left} left interpreted; Inductor {sum(r.seconds for _, r in done):.1f} s"
+    return line + (f" ({notes[0]}{'; ...' if len(notes) > 1 else ''})" if notes else "")
+
+
+def region_hooks(gm: fx.GraphModule, phase: str, grad_sync: GradientSync, scheduler: CommScheduler, *, deferred: bool, gathered: bool) -> tuple[set, set]:
+    """Where this runtime acts in a lowered graph, as (nodes a compiled region must start at,
+    nodes it must end after): in backward each communicating gradient bucket's last gradient
+    (its all-reduce starts there); in forward the first use of a deferred bucket's parameters
+    (defer_grad_sync settles it there) and, under shard_states stage 3, each bucket's first and
+    last reader (gathered before, freed after). A bucket over a group of one rank needs none."""
+    before: set[fx.Node] = set()
+    after: set[fx.Node] = set()
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    buckets = [b for b in grad_sync.buckets if scheduler.group(b.group).size > 1]
+    if phase == "backward":
+        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        for bucket in buckets:
+            last = [outputs[s] for s in bucket.slots if s < len(outputs) and isinstance(outputs[s], fx.Node)]
+            if last:
+                after.add(max(last, key=position.__getitem__))
+        return before, after
+    params = [n for n in gm.graph.nodes if n.op == "placeholder"][: grad_sync.num_slots]
+    for bucket in buckets:
+        readers = sorted({u for s in bucket.slots if s < len(params) for u in params[s].users}, key=position.__getitem__)
+        if readers and (deferred or gathered):
+            before.add(readers[0])
+        if readers and gathered:
+            after.add(readers[-1])
+    return before, after
 
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:

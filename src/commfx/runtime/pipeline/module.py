@@ -221,7 +221,10 @@ class PipelineModule(torch.nn.Module):
             def backward(gm: fx.GraphModule):
                 return lambda *a: GraphExecutor(gm, scheduler, timeline=timeline, phase="backward").run(*a)
 
-            compiled = self._compiled[key] = self._compile_training(self.module, inputs, forward=forward, backward=backward)
+            # The stage's gradients are reduced after the schedule, not inside its graphs: no hooks.
+            compiled = self._compiled[key] = self._compile_training(
+                self.module, inputs, forward=forward, backward=backward, compute=self.plan.compute, hooks=lambda gm, phase: (set(), set())
+            )
         return compiled
 
     # -- boundary traffic ---------------------------------------------------------------

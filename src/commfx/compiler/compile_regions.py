@@ -1,0 +1,265 @@
+"""Compiled regions: the compute between collectives and runtime hooks, compiled by Inductor.
+
+A lowered graph (forward or backward, after the schedule passes) is cut into regions:
+maximal runs of compute nodes, in graph order, that contain no collective (the ops
+`runtime.executor.COMM_OPS` names, which communicate) and cross no point where the runtime
+acts (`Hooks`: a region starts at `before` nodes, a deferred parameter's first use or a
+ZeRO-3 bucket's first reader, and ends at `after` nodes, a gradient bucket's last gradient
+or a bucket's last reader). Each region becomes a submodule of the graph (`region_<i>`)
+called by one `call_module` node whose outputs the rest of the graph reads through
+`getitem`, so the executor still sees every collective, every gradient output and every
+parameter read as a node of the outer graph. The submodule runs the region's code
+compiled by Inductor (C++ on CPUs, Triton on GPUs) on the region's own FX graph, traced
+again with Inductor's decompositions; a region Inductor cannot compile stays interpreted
+(its nodes are left in the outer graph) and the graph keeps a one-line note saying why.
+
+The collectives stay in the outer graph, so Inductor never merges compute across them
+and the overlap the schedule passes built (an all-to-all started early, waited late) is
+kept. Inductor's FX graph cache is on (its default), so a second run of the same model
+compiles from the cache (`TORCHINDUCTOR_CACHE_DIR`, default under the system's temp dir).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..runtime.executor import REGION_REPORT, is_collective
+
+_log = logging.getLogger(__name__)
+REGION = "commfx_region"  # node.meta: the index of the region a node belongs to (set by cut_regions)
+_OUTSIDE = {"placeholder", "output", "get_attr"}
+# Ops that only reshape or read sizes: a run of them alone is not worth a compiled call.
+_TRIVIAL = {"sym_size", "view", "_unsafe_view", "t", "transpose", "detach", "alias", "expand", "unsqueeze", "squeeze", "permute", "reshape", "slice", "select", "split", "unbind"}
+
+
+@dataclass
+class Hooks:
+    """Where the runtime acts inside one graph: a region starts at each node of `before`
+    and ends right after each node of `after`."""
+
+    before: set[fx.Node] = field(default_factory=set)
+    after: set[fx.Node] = field(default_factory=set)
+
+
+# (graph, phase "forward"|"backward") -> the runtime's hooks in that graph as (before, after)
+# sets of nodes (plain sets: the runtime, which names them, does not import the compiler)
+HookPoints = Callable[[fx.GraphModule, str], tuple]
+
+
+@dataclass
+class RegionReport:
+    """What compile_regions did to one graph: regions compiled, nodes each, notes, seconds."""
+
+    sizes: list[int] = field(default_factory=list)
+    interpreted: int = 0  # regions left interpreted (trivial or not compilable)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def default_hooks(gm: fx.GraphModule, phase: str) -> Hooks:
+    """Hooks when the runtime names none: in backward every gradient output ends a region
+    (so each gradient reaches the sync as soon as it exists, as when interpreted)."""
+    if phase != "backward":
+        return Hooks()
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return Hooks(after={v for v in output.args[0] if isinstance(v, fx.Node)})
+
+
+def cut_regions(gm: fx.GraphModule, hooks: Hooks | None = None) -> list[list[fx.Node]]:
+    """The graph's regions in order (lists of nodes), each marked in node.meta[REGION].
+    Collectives, placeholders, the output, and getitems of nodes outside the region stay out."""
+    hooks = hooks or Hooks()
+    _hoist_getitems(gm)
+    regions: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    ending = False  # a hook's `after` node was added: close once its getitems are in
+
+    def close():
+        if current:
+            regions.append(list(current))
+            current.clear()
+
+    for node in gm.graph.nodes:
+        node.meta.pop(REGION, None)
+        inner_read = node.target is operator.getitem and node.args[0] in current
+        if ending and not inner_read:
+            close()
+        ending = ending and inner_read
+        if node.op in _OUTSIDE or is_collective(node):
+            close()
+            continue
+        if node.target is operator.getitem and not inner_read:
+            close()  # a getitem of a collective's (or an earlier region's) tuple: read outside
+            continue
+        if node in hooks.before:
+            close()
+        current.append(node)
+        if node in hooks.after:
+            ending = True
+    close()
+    for index, region in enumerate(regions):
+        for node in region:
+            node.meta[REGION] = index
+    return regions
+
+
+def mark_regions(gm: fx.GraphModule, hooks: Hooks | None = None) -> list[list[fx.Node]]:
+    """The regions compile_regions would compile (trivial runs unmarked), without compiling:
+    what `commfx dump --stage forward|backward` shows under compute="inductor"."""
+    regions = [r for r in cut_regions(gm, hooks) if _worth_compiling(r) or _unmark(r)]
+    for index, region in enumerate(regions):
+        for node in region:
+            node.meta[REGION] = index
+    return regions
+
+
+def _unmark(nodes: list[fx.Node]) -> bool:
+    for node in nodes:
+        node.meta.pop(REGION, None)
+    return False
+
+
+def _hoist_getitems(gm: fx.GraphModule) -> None:
+    """Move each getitem right after the node whose tuple it reads, so a region never
+    hands a tuple to the outer graph (only tensors and sizes)."""
+    for node in list(gm.graph.nodes):
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            source = node.args[0]
+            anchor = source
+            while anchor.next.target is operator.getitem and anchor.next.args[0] is source and anchor.next is not node:
+                anchor = anchor.next
+            if anchor.next is not node:
+                anchor.append(node)
+
+
+def compile_regions(gm: fx.GraphModule, phase: str, hooks: Hooks | None = None, *, is_backward: bool | None = None) -> RegionReport:
+    """Cut `gm` into regions and replace each with a call of its Inductor-compiled code (in
+    place). Call inside the lowering's tracing context (node.meta["val"] are its fakes)."""
+    start = time.perf_counter()
+    report = RegionReport()
+    regions = cut_regions(gm, hooks if hooks is not None else default_hooks(gm, phase))
+    for index, nodes in enumerate(regions):
+        if not _worth_compiling(nodes):
+            report.interpreted += 1
+            continue
+        try:
+            module = _compile_region(nodes, phase == "backward" if is_backward is None else is_backward)
+        except Exception as error:  # noqa: BLE001  (any Inductor failure: the region stays interpreted)
+            report.interpreted += 1
+            _log.debug("region %d of the %s graph stays interpreted", index, phase, exc_info=True)
+            report.notes.append(f"region {index} ({len(nodes)} nodes) stays interpreted: {type(error).__name__}: {_first_line(error)}")
+            continue
+        _replace(gm, nodes, f"region_{index}", module)
+        report.sizes.append(len(nodes))
+    gm.graph.lint()
+    gm.recompile()
+    for key in ("commfx_first_uses", "commfx_param_uses"):  # caches keyed by the graph's old nodes
+        gm.meta.pop(key, None)
+    report.seconds = time.perf_counter() - start
+    gm.meta[REGION_REPORT] = report
+    return report
+
+
+class CompiledRegion(torch.nn.Module):
+    """One region: its FX graph (`graph_module`, for dumps and debugging) and the compiled
+    callable that runs it (Inductor's boxed calling convention: one list of inputs)."""
+
+    def __init__(self, graph_module: fx.GraphModule, compiled: Callable):
+        super().__init__()
+        self.graph_module = graph_module
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return tuple(self.compiled(list(args)))
+
+
+def _worth_compiling(nodes: list[fx.Node]) -> bool:
+    return any(n.op == "call_function" and n.target is not operator.getitem and _name(n.target) not in _TRIVIAL and not isinstance(n.meta.get("val"), torch.SymInt) for n in nodes)
+
+
+def _name(target) -> str:
+    return getattr(target, "_opname", getattr(target, "__name__", ""))
+
+
+def _boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(inputs: values the region reads from outside, outputs: its values read outside)."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for node in nodes:
+        for source in node.all_input_nodes:
+            if source not in inside and source not in inputs:
+                inputs.append(source)
+    outputs = [n for n in nodes if any(user not in inside for user in n.users)]
+    return inputs, outputs
+
+
+def _compile_region(nodes: list[fx.Node], is_backward: bool) -> CompiledRegion:
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs, outputs = _boundary(nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for source in inputs:
+        placeholder = graph.placeholder(source.name)
+        placeholder.meta.update(source.meta)
+        env[source] = placeholder
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+    region = fx.GraphModule(torch.nn.Module(), graph)
+    examples = [source.meta["val"] for source in inputs]
+    decomposed = make_fx(region, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
+    context = torch._guards.TracingContext.try_get()
+    strides = context.output_strides if context is not None else None
+    if context is not None:  # Inductor records a graph's output strides there: they are the region's, not the lowered graph's
+        context.output_strides = None
+    try:
+        compiled = compile_fx_inner(decomposed, examples, is_backward=is_backward, is_inference=False)
+    finally:
+        if context is not None:
+            context.output_strides = strides
+    return CompiledRegion(region, compiled)
+
+
+def _replace(gm: fx.GraphModule, nodes: list[fx.Node], name: str, module: torch.nn.Module) -> None:
+    """Swap the run `nodes` for one call of `module`, its outputs read by getitem."""
+    inputs, outputs = _boundary(nodes)
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_before(nodes[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        call.meta["val"] = tuple(n.meta.get("val") for n in outputs)
+        reads = []
+        for i, node in enumerate(outputs):
+            read = gm.graph.call_function(operator.getitem, (call, i))
+            read.meta.update(node.meta)
+            reads.append(read)
+    for node, read in zip(outputs, reads):
+        node.replace_all_uses_with(read, delete_user_cb=lambda user: user not in set(nodes))
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def describe(report: RegionReport) -> str:
+    """One line: regions compiled, their nodes, interpreted runs, seconds."""
+    return (
+        f"{len(report.sizes)} compiled regions ({sum(report.sizes)} nodes), "
+        f"{report.interpreted} left interpreted, {report.seconds:.1f} s"
+    )
+
+
+__all__ = ["mark_regions", "CompiledRegion", "HookPoints", "Hooks", "RegionReport", "compile_regions", "cut_regions", "default_hooks", "describe"]
+
