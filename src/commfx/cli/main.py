@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..plan import MACHINE_FIGURES, PRECISIONS, Plan, PlanError
+from ..plan import COMPUTE_MODES, MACHINE_FIGURES, PRECISIONS, Plan, PlanError
 from ..runtime.devices import DEVICES
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
@@ -53,6 +53,11 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
         "--grad-reduce", choices=PRECISIONS, default="fp32",
         help="the dtype gradients are all-reduced in: fp32 (default), or bf16 (half the bytes; the result in the parameters' dtype)",
     )
+    parser.add_argument(
+        "--compute", choices=COMPUTE_MODES, default=None,
+        help="inductor (default): the compute between collectives and runtime hooks compiled by Inductor in regions; "
+        "interpret: every node run by the graph executor (debugging, bit-for-bit comparisons). Default: $COMMFX_COMPUTE or inductor",
+    )
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -66,7 +71,8 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 def _plan(args) -> Plan:
     plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, pp=args.pp, tp=args.tp, ranks_per_node=args.ranks_per_node)
-    return dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision, grad_reduce_dtype=args.grad_reduce)
+    plan = dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision, grad_reduce_dtype=args.grad_reduce)
+    return dataclasses.replace(plan, compute=args.compute) if args.compute else plan
 
 
 def cmd_passes(args) -> int:
@@ -94,7 +100,7 @@ def cmd_dump(args) -> int:
     if args.stage in ("forward", "backward"):
         from ..compiler.lower import lower
 
-        lowered = lower(program, inputs)
+        lowered = lower(program, inputs, compute=plan.compute)
         gm = lowered.forward if args.stage == "forward" else lowered.backward
     else:
         gm = program.gm
