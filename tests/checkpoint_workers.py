@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import commfx
@@ -108,3 +110,16 @@ def export_hf_model(rank: int, world_size: int, directory: str, model: str, pass
     with torch.no_grad():
         logits = dm(*local)
     return {"state": gather_full(dm), "batch": local, "logits": logits}
+
+
+def save_fails_on_rank0(rank: int, world_size: int, root: str, model: str, passes: str) -> dict:
+    """Every rank saves to `root`, which rank 0 cannot create (its parent is a file) and the
+    others never touch: what each rank raises, and how long it took to raise it."""
+    dm, optimizer, local = _module(model, passes, rank, world_size)
+    _train(dm, optimizer, local, 1)
+    start = time.perf_counter()
+    try:
+        commfx.save(dm, optimizer, root, step=1)
+    except commfx.CheckpointError as error:
+        return {"error": str(error), "seconds": time.perf_counter() - start}
+    return {"error": "", "seconds": time.perf_counter() - start}

@@ -188,12 +188,13 @@ def test_packed_experts_reshard_from_two_ranks_to_four_and_back(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_foreign_checkpoint_is_refused_by_name(tmp_path):
-    """Another model, or other passes, is refused naming the manifest and what differs."""
+    """Another model is refused naming the manifest and what differs; another plan over the
+    same model loads it (a checkpoint is the model's state)."""
     _launch("train_and_save", 2, root=str(tmp_path), model="gpt-moe-tiny", passes="lift,expert_parallel", steps=1, save_at=1)
     other_model = _launch("load_refused", 2, root=str(tmp_path), model="gpt-moe", passes="lift,expert_parallel")[0]
     assert "commfx.json holds another model" in other_model and "load it into the model" in other_model, other_model
     other_plan = _launch("load_refused", 2, root=str(tmp_path), model="gpt-moe-tiny", passes="lift,expert_parallel,partition_a2a")[0]
-    assert "commfx.json was saved by a plan with passes lift,expert_parallel" in other_plan, other_plan
+    assert other_plan == "", other_plan
 
 
 @pytest.mark.slow

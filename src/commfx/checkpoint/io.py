@@ -26,6 +26,7 @@ from . import per_layout
 from . import state as st
 from . import store
 from .chunks import LoadPlanner, SavePlanner
+from .agree import agree
 from .state import CheckpointError
 
 
@@ -46,12 +47,10 @@ def rank_form_reason(dm, optimizer=None) -> str | None:
     return None
 
 
-def layout(dm) -> dict:
-    topology, plan = dm.plan.topology, dm.plan
-    return {
-        "world_size": topology.world_size, "dp": topology.dp, "ep": topology.expert_parallel_size, "pp": topology.pp, "tp": topology.tp,
-        "passes": plan.pass_names(),
-    }
+def layout(plan) -> dict:
+    """What a checkpoint records of the plan that saved it: sizes and passes."""
+    sizes = {key: getattr(plan.topology, attribute) for key, attribute in per_layout.LAYOUT_ATTRIBUTES.items()}
+    return {**sizes, "passes": plan.pass_names()}
 
 
 def _rank_key(rank: int, what: str) -> str:
@@ -72,10 +71,11 @@ def save(dm, optimizer: torch.optim.Optimizer, path, *, step: int | None = None)
     step = _default_step(optimizer) if step is None else step
     if hasattr(dm, "synchronize"):
         dm.synchronize()  # gradients still on the wire (defer_grad_sync) and the step they owe
-    if rank == 0:
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         store.clear_partials(root)
-    dm.scheduler.barrier()
+
+    agree(dm.scheduler, f"saving a checkpoint to {root}", prepare, on_rank=0)
     values: dict = {_rank_key(rank, "rng"): _pack(_rng_state())}
     reason = rank_form_reason(dm, optimizer)
     if reason is None:
@@ -92,15 +92,13 @@ def save(dm, optimizer: torch.optim.Optimizer, path, *, step: int | None = None)
         values[_rank_key(rank, "optimizer")] = _pack(optimizer.state_dict())
         tensors = dict(enumerate(dm.scheduler.all_gather_object(_rank_tensors(dm))))  # each rank's own
     partial = store.partial_dir(root, step)
-    dcp.save(values, storage_writer=FileSystemWriter(partial, single_file_per_rank=True, sync_files=True), planner=SavePlanner())
-    dm.scheduler.barrier()  # every rank's files are written
+    writer = FileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
+    agree(dm.scheduler, f"writing checkpoint {partial}", lambda: dcp.save(values, storage_writer=writer, planner=SavePlanner()))
     final = root / store.step_name(step)
-    if rank == 0:
-        manifest = {"step": step, "form": "rank" if reason else "model", "rank_form_reason": reason, "layout": layout(dm),
-                    "per_layout": per_layout.per_layout_specs(dm.plan), "tensors": tensors,
-                    "save_seconds": round(time.perf_counter() - start, 4)}
-        store.finish(root, step, manifest)
-    dm.scheduler.barrier()
+    manifest = {"step": step, "form": "rank" if reason else "model", "rank_form_reason": reason, "layout": layout(dm.plan),
+                "per_layout": per_layout.per_layout_specs(dm.plan), "tensors": tensors,
+                "save_seconds": round(time.perf_counter() - start, 4)}
+    agree(dm.scheduler, f"sealing checkpoint {final}", lambda: store.finish(root, step, manifest), on_rank=0)
     return final
 
 
@@ -132,7 +130,7 @@ def load(dm, optimizer: torch.optim.Optimizer | None, path) -> dict:
     else:
         objects.update({st.RUNTIME: b"", **({st.PARAM_GROUPS: b""} if optimizer is not None else {})})
         pipeline_key = _rank_key(rank, "pipeline")
-        if pipeline_key in saved and per_layout.pipeline_state(dm) is not None and per_layout.same_layout(manifest["layout"], layout(dm)):
+        if pipeline_key in saved and per_layout.takes_pipeline_state(dm, manifest):
             objects[pipeline_key] = b""
     dcp.load(objects, storage_reader=reader, planner=DefaultLoadPlanner())
     if manifest["form"] == "rank":
@@ -179,14 +177,9 @@ def _restore_objects(dm, optimizer, values: dict) -> None:
 def _check_fits(dm, optimizer, manifest: dict, checkpoint: Path) -> list[str]:
     """Refuse a checkpoint of another model, plan or (rank form) layout; list what reshards."""
     file = checkpoint / store.MANIFEST
-    saved, here = manifest["layout"], layout(dm)
+    saved, here = manifest["layout"], layout(dm.plan)
     per_layout.refuse_layout_change(manifest, here, per_layout.per_layout_specs(dm.plan), file)
-    if per_layout.stateful_passes(saved["passes"]) != per_layout.stateful_passes(here["passes"]):
-        raise CheckpointError(
-            f"{file} was saved by a plan with passes {','.join(saved['passes'])}; this run's are {','.join(here['passes'])}. "
-            "A checkpoint carries its passes' runtime state (placements, error feedback): resume with the same passes "
-            f"(options, world/ep/tp/pp sizes and the layout passes {', '.join(per_layout.LAYOUT_PASSES)} may change)"
-        )
+    notes = per_layout.pass_changes(saved["passes"], here["passes"])
     reason = rank_form_reason(dm, optimizer)
     if manifest["form"] == "rank" or reason:
         why = manifest.get("rank_form_reason") or reason
@@ -212,7 +205,7 @@ def _check_fits(dm, optimizer, manifest: dict, checkpoint: Path) -> list[str]:
         ]))
         raise CheckpointError(f"{file} holds another model ({detail}); load it into the model (and dtype) it was saved from")
     changed = [f"{k} {saved[k]} -> {here[k]}" for k in per_layout.LAYOUT_KEYS if saved[k] != here[k]]
-    return [f"resharded: {', '.join(changed)}"] if changed else []
+    return notes + ([f"resharded: {', '.join(changed)}"] if changed else [])
 
 
 def _rng_state() -> dict:

@@ -1,9 +1,10 @@
 """What a checkpoint may change between the saving and the loading plan, and what it may not.
 
-Passes that only choose a layout (`pipeline_split`, `tensor_parallel`, `shard_states`) may be added or
-dropped on resume: every tensor is saved under its model-level name, whichever stage or
-tensor-parallel rank held it. Some state belongs to one layout and has no model-level
-name: `compress_pipeline`'s error-feedback residuals and PowerSGD Q (per pipeline
+A checkpoint is the model's state: any plan over the same model loads it. Every tensor is
+saved under its model-level name, whichever stage or tensor-parallel rank held it, so
+passes may be added or dropped on resume; a stateful pass the new plan drops drops its
+state, one it adds starts fresh, each with a one-line note (`pass_changes`).
+Some state belongs to one layout and has no model-level name: `compress_pipeline`'s error-feedback residuals and PowerSGD Q (per pipeline
 boundary, shaped by the stage cut and the micro-batch) and its data-parallel PowerSGD
 state. It is saved rank by rank beside the model's tensors and restored at the layout
 (and pass options) that saved it; a checkpoint holding it is refused at any other, by name.
@@ -13,14 +14,25 @@ from __future__ import annotations
 
 from .state import CheckpointError
 
-LAYOUT_PASSES = ("pipeline_split", "tensor_parallel", "shard_states")
 PER_LAYOUT = {"compress_pipeline": "its error-feedback residuals and PowerSGD Q belong to the saved pipeline's boundaries"}
 LAYOUT_KEYS = ("world_size", "dp", "ep", "pp", "tp")
+LAYOUT_ATTRIBUTES = {"world_size": "world_size", "dp": "dp", "ep": "expert_parallel_size", "pp": "pp", "tp": "tp"}
 
 
-def stateful_passes(passes: list[str]) -> list[str]:
-    """The passes a resume must keep: all but those that only choose a layout."""
-    return [p for p in passes if p not in LAYOUT_PASSES]
+# Passes whose runtime state a checkpoint carries, and what that state is. A plan without the
+# pass drops it; a plan that adds the pass starts it fresh. Every other pass keeps no state.
+STATEFUL = {
+    "pack_experts": "expert placements and routing statistics",
+    "compress_pipeline": "error-feedback residuals and PowerSGD factors",
+}
+
+
+def pass_changes(saved: list[str], here: list[str]) -> list[str]:
+    """One note for each stateful pass the new plan drops or adds (a checkpoint is the
+    model's state: any plan over the same model loads it)."""
+    notes = [f"{p} is not in this plan: its {STATEFUL[p]} from the checkpoint are dropped" for p in STATEFUL if p in saved and p not in here]
+    notes += [f"{p} is new in this plan: its {STATEFUL[p]} start fresh" for p in STATEFUL if p in here and p not in saved]
+    return notes
 
 
 def per_layout_specs(plan) -> dict[str, str]:
@@ -52,10 +64,19 @@ def same_layout(saved: dict, here: dict) -> bool:
     return all(saved[k] == here[k] for k in LAYOUT_KEYS)
 
 
+def takes_pipeline_state(dm, manifest: dict) -> bool:
+    """Whether this pipeline stage restores the codec state saved beside the model: only a
+    plan that still compresses, at the saved layout (refuse_layout_change refused the rest)."""
+    if pipeline_state(dm) is None or "compress_pipeline" not in dm.plan.pass_names():
+        return False
+    here = {k: getattr(dm.plan.topology, a) for k, a in LAYOUT_ATTRIBUTES.items()}
+    return same_layout(manifest["layout"], here)
+
+
 def refuse_layout_change(manifest: dict, here: dict, here_specs: dict[str, str], file) -> None:
     """Refuse a checkpoint whose per-layout state this layout (or these options) cannot take."""
     saved_specs = manifest.get("per_layout", {})
-    kept = sorted(set(saved_specs) & set(PER_LAYOUT))
+    kept = sorted(p for p in set(saved_specs) & set(PER_LAYOUT) if p in here_specs)  # a dropped pass drops its state
     if not kept:
         return
     saved = manifest["layout"]

@@ -21,6 +21,7 @@ from .state import CheckpointError
 MANIFEST = "commfx.json"
 FORMAT = "commfx-checkpoint/1"
 LATEST = "latest"
+REQUIRED = ("step", "form", "layout", "tensors", "files")  # what loading reads of a manifest
 
 
 def step_name(step: int) -> str:
@@ -86,6 +87,8 @@ def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint `path` names: itself if it holds a manifest, else the one its `latest`
     names, else its highest complete `step-*`."""
     root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} is a file, not a checkpoint directory (give the directory --checkpoint-dir wrote, or one step-* in it)")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root} does not exist (give the directory --checkpoint-dir wrote, or one step-* in it)")
     if (root / MANIFEST).exists():
@@ -110,8 +113,13 @@ def read_manifest(checkpoint: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path} cannot be read ({error}): the checkpoint is corrupted; resume from an earlier step-* directory") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a commfx checkpoint manifest (format {manifest.get('format')!r}, expected {FORMAT!r})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path} is not a commfx checkpoint manifest (format {found!r}, expected {FORMAT!r})")
+    missing = [key for key in REQUIRED if key not in manifest]
+    if missing or not isinstance(manifest["files"], dict):
+        what = f"has no {', '.join(repr(k) for k in missing)}" if missing else "lists its files wrongly"
+        raise CheckpointError(f"{path} {what}: the manifest is damaged or was not written by commfx.save; resume from another step-* directory")
     for name, expected in manifest["files"].items():
         file = checkpoint / name
         if not file.exists():

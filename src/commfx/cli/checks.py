@@ -11,6 +11,7 @@ import importlib.metadata
 import os
 import shlex
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -57,26 +58,45 @@ def check_local_world(world: int, asked: str) -> None:
 
 def check_output_paths(paths: dict[str, str | None], *, directories: tuple[str, ...] = ()) -> None:
     """Every output option's path must be writable before the ranks start, not found unwritable
-    after the whole run: its directory exists and is writable, or is made now. An option in
-    `directories` names a directory itself (`bench --trace DIR`)."""
+    after the whole run: its directory exists or is made now, and a file can be created in it
+    (tried, not asked of os.access, which root passes on a read-only mount or /proc). An
+    option in `directories` names a directory itself (`bench --trace DIR`)."""
     for option, text in paths.items():
         if not text:
             continue
         path = Path(text)
-        folder = path if option in directories else path.parent
-        if option not in directories and path.is_dir():
+        if option in directories:
+            check_directory(option, text)
+            continue
+        if path.is_dir():
             raise ValueError(f"{option} {text}: cannot write there: it is a directory; give a file name")
-        existing = folder
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir():
-            raise ValueError(f"{option} {text}: cannot write there: {existing} is a file, not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise ValueError(f"{option} {text}: cannot write there: {path if path.exists() else existing} is not writable")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"{option} {text}: cannot make the directory {folder}: {error.strerror}") from None
+        check_directory(option, str(path.parent), shown=text)
+        if path.exists():
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as error:
+                raise ValueError(f"{option} {text}: cannot write there: {error.strerror}") from None
+
+
+def check_directory(option: str, text: str, *, shown: str | None = None) -> None:
+    """`text` is a directory this process can create files in, made now if it does not exist."""
+    shown = shown or text
+    folder = Path(text)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{option} {shown}: cannot write there: {existing} is a file, not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{option} {shown}: cannot make the directory {folder}: {error.strerror}") from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {shown}: cannot write there: {folder} does not take new files ({error.strerror})") from None
 
 
 def versions() -> str:

@@ -227,7 +227,7 @@ def cmd_run(args) -> int:
 
     model, inputs = load_model(args.model, seed=args.seed, **({"batch": args.batch} if args.batch else {}))
     preflight(model, plan, inputs)
-    check_checkpoint_args(args, model)
+    check_checkpoint_args(args, model, plan)
     config = TrainConfig(
         args.model, plan, steps=args.steps, lr=args.lr, seed=args.seed, batch=args.batch, dump_path=args.dump, trace_path=args.trace,
         dtype=args.dtype, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or (args.steps if args.checkpoint_dir else 0),
@@ -263,9 +263,12 @@ def cmd_run(args) -> int:
         merged = merge_traces([r["trace"] for r in results], args.trace)
         console.print(f"traces: {merged} (all ranks) and {', '.join(r['trace'] for r in results)}; open in https://ui.perfetto.dev")
     if args.json:
-        with open(args.json, "w") as f:
-            record = {"history": history, "local_params": [r["local_params"] for r in results], "memory": [r["memory"] for r in results], "expert_placement": results[0]["expert_placement"]}
-            json.dump(record, f, indent=2)
+        record = {"history": history, "local_params": [r["local_params"] for r in results], "memory": [r["memory"] for r in results], "expert_placement": results[0]["expert_placement"]}
+        try:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=2)
+        except OSError as error:  # checked before the ranks started; the path changed since
+            raise ValueError(f"--json {args.json}: cannot write there: {error.strerror} (the run itself finished)") from None
     return 0
 
 
@@ -312,7 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..runtime.launcher import Stopped, stop_on_signals
+    try:
+        from ..runtime.launcher import Stopped, stop_on_signals
+    except KeyboardInterrupt:  # Ctrl-C while torch is still importing: nothing started yet
+        console.print("interrupted (SIGINT) while starting: no rank had started")
+        return 128 + 2
 
     try:
         with stop_on_signals(exit_after_a_stop=True):  # from the start: a signal while compiling, before any rank, ends cleanly too
@@ -321,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         done = "every rank was stopped and the job directory removed" if stop.ranks_stopped else "no rank had started"
         console.print(f"{stop}: {done}")
         return 128 + stop.signum
+    except KeyboardInterrupt:
+        console.print("interrupted (SIGINT): no rank had started")
+        return 128 + 2
 
 
 def _run_command(argv: list[str] | None) -> int:

@@ -339,6 +339,7 @@ _PEER_FAILURE_MARKERS = (
     "Connection reset by peer",
     "gloo/transport",
     "Broken pipe",
+    "stopped with it",  # a shared failure (checkpoint.agree) raised on a rank that did not fail itself
 )
 
 
