@@ -204,3 +204,26 @@ def test_a_save_that_fails_on_rank_0_raises_on_every_rank_at_once(tmp_path):
         f"saving a checkpoint to {blocker / 'ck'} failed on rank 0: NotADirectoryError"), zero
     assert one == f"saving a checkpoint to {blocker / 'ck'} failed on rank 0 (rank 0 prints why); rank 1 stopped with it", one
     assert max(r["seconds"] for r in ranks) < 10, ranks
+
+
+def test_a_top_k_above_the_experts_is_refused_before_any_rank(capsys, no_launch):
+    """It used to print torch's 'k not in range' traceback from inside capture."""
+    out = one_error(capsys, ["bench", HF, "--vs", "peer:deepspeed_moe", "--model-arg", "num_experts_per_tok=5"])
+    assert "hf:qwen3_moe: num_experts_per_tok=5 but the model has 4 experts" in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5])
+def test_ctrl_c_during_start_up_ends_with_one_line(after_s):
+    """SIGINT while torch is still importing (or, on a fast machine, just after) ends with exit
+    130 and one line saying no rank had started, never a KeyboardInterrupt traceback."""
+    import signal
+    import subprocess
+
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "  # as a terminal's shell leaves it
+            "sys.argv = ['commfx', 'run', 'gpt-moe-tiny', '--world-size', '2']; import commfx_cli; sys.exit(commfx_cli.main())")
+    started = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(after_s)
+    started.send_signal(signal.SIGINT)
+    out, _ = started.communicate(timeout=120)
+    assert started.returncode == 130 and "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "no rank had started" in out, out

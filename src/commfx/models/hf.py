@@ -185,6 +185,7 @@ def build_hf_moe(
             f"(for example hidden_size, intermediate_size, num_attention_heads, num_hidden_layers, vocab_size)"
         )
     config = hf_config(model_type, **config_overrides)
+    _check_routing(model_type, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=family.attn_implementation, dtype=torch.float32)
@@ -195,6 +196,21 @@ def build_hf_moe(
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     return model, (input_ids,)
+
+
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # each family's name for the routed experts
+
+
+def _check_routing(model_type: str, config) -> None:
+    """A config whose tokens pick more experts than it has fails in every forward (torch's
+    'k not in range'); said here, before any model is built or rank started."""
+    experts = next((getattr(config, name) for name in _EXPERT_COUNTS if isinstance(getattr(config, name, None), int)), None)
+    k = getattr(config, "num_experts_per_tok", None)
+    if experts is not None and isinstance(k, int) and not 1 <= k <= experts:
+        raise ValueError(
+            f"hf:{model_type}: num_experts_per_tok={k} but the model has {experts} experts; each token picks 1 to {experts} "
+            "of them: lower num_experts_per_tok or raise the experts (--model-arg)"
+        )
 
 
 # --------------------------------------------------- models exactly as transformers returns them
