@@ -53,6 +53,15 @@ def _is_builtin_experts(cls: type, module: nn.Module | None) -> bool:
     return cls is Experts
 
 
+# The layout flags `use_experts_implementation` sets on each experts instance, as the gated
+# pattern needs them: [E, 2I, H] gate-then-up rows, [E, H, I] down, no biases, no norm after.
+HF_GATED_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True, "has_post_expert_norm": False}
+# Flags a supported transformers release predates, and what their absence means there
+# (5.17-5.23 have no post-expert norm, so no `has_post_expert_norm`).
+HF_FLAGS_ADDED_LATER = {"has_post_expert_norm": False}
+_ABSENT = object()
+
+
 def _is_hf_gated_experts(cls: type, module: nn.Module | None) -> bool:
     """HF v5 experts made by `use_experts_implementation` with the default layout."""
     if not hasattr(cls, "_apply_gate") or "transformers" not in cls.__module__:
@@ -64,13 +73,8 @@ def _is_hf_gated_experts(cls: type, module: nn.Module | None) -> bool:
         # The compile backend sees classes only: the layout flags live on instances, but a
         # custom gate (gpt-oss's clamped, biased one) shows on the class.
         return default_gate
-    return (
-        getattr(module, "has_gate", False)
-        and not getattr(module, "has_bias", True)
-        and not getattr(module, "is_transposed", True)
-        and getattr(module, "is_concatenated", False)
-        and not getattr(module, "has_post_expert_norm", True)
-        and getattr(cls._apply_gate, "__func__", cls._apply_gate) is _default_apply_gate
+    return default_gate and all(
+        getattr(module, flag, HF_FLAGS_ADDED_LATER.get(flag, _ABSENT)) == wanted for flag, wanted in HF_GATED_LAYOUT.items()
     )
 
 
