@@ -86,8 +86,13 @@ class CommfxBackend:
         self._warned_breaks = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        program, positions, bound = _program_from_dynamo(gm, example_inputs)
         scheduler = self._scheduler_for_world()
+        if not _has_user_tensors(gm, example_inputs):
+            # A piece dynamo cut off from the model's inputs (HF's mask code before the layers):
+            # no tokens, so nothing to rewrite. It runs as dynamo traced it; gradients of weights
+            # it reads are reduced by the eager sync (given the model), like code between graphs.
+            return gm.forward
+        program, positions, bound = _program_from_dynamo(gm, example_inputs)
         user_inputs = [example_inputs[i] for i in positions]
         if self._agreed_tokens is None:
             # The first graph is compiled by every rank together (SPMD); later ones (recompiles
@@ -229,6 +234,17 @@ def _shard_in_graph(plan: Plan) -> Plan:
     return dataclasses.replace(plan, passes=passes)
 
 
+def _is_weight(node: fx.Node, value) -> bool:
+    """A graph input that is one of the model's parameters or buffers (dynamo passes both)."""
+    return isinstance(value, torch.nn.Parameter) or (isinstance(value, torch.Tensor) and "_buffers_" in node.name)
+
+
+def _has_user_tensors(gm: fx.GraphModule, example_inputs: list) -> bool:
+    """Whether dynamo's graph takes any tensor that is not a parameter or buffer."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(isinstance(v, torch.Tensor) and not _is_weight(n, v) for n, v in zip(placeholders, example_inputs))
+
+
 def _program_from_dynamo(gm: fx.GraphModule, example_inputs: list) -> tuple[Program, list[int], list[tuple[str, int]]]:
     """The Program (parameters and buffers as attributes, for the passes), the positions of
     the user's tensors among dynamo's inputs, and (attribute name, position) of each
@@ -241,7 +257,7 @@ def _program_from_dynamo(gm: fx.GraphModule, example_inputs: list) -> tuple[Prog
     names, bound = {}, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for position, (node, value) in enumerate(zip(placeholders, example_inputs)):
-        if isinstance(value, torch.nn.Parameter) or (isinstance(value, torch.Tensor) and "_buffers_" in node.name):
+        if _is_weight(node, value):
             if id(value) not in names:
                 names[id(value)] = _qualified_name(node.name)
                 bound.append((names[id(value)], position))

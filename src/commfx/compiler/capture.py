@@ -186,7 +186,10 @@ def _input_name(placeholder: str, signature: inspect.Signature | None) -> str:
 
 def tokens_of(inputs: tuple[torch.Tensor, ...]) -> int:
     """Tokens in a batch, for cost models: every id of an integer input, or every row of
-    a float input's last dimension ([batch, seq, hidden] -> batch * seq)."""
+    a float input's last dimension ([batch, seq, hidden] -> batch * seq); 0 without inputs
+    (a graph dynamo cut off from the model's inputs carries no tokens)."""
+    if not inputs:
+        return 0
     first = inputs[0]
     if first.dtype.is_floating_point and first.dim() > 1:
         return first.numel() // first.shape[-1]
