@@ -23,12 +23,27 @@ def all_to_all(
     destination in rank order. `priority` is the scheduler's class (see
     runtime/priority.py); `tag` names the collective in traces (e.g. "dispatch 2/4").
     """
-    send, recv = _splits(send_counts), _splits(recv_counts)
-    return current_scheduler().all_to_all(x, send, recv, group, priority, tag)
+    scheduler = current_scheduler()
+    if _alone(scheduler, group, priority):
+        return x.clone(memory_format=torch.contiguous_format)
+    send, recv = _splits(send_counts, recv_counts)
+    return scheduler.all_to_all(x, send, recv, group, priority, tag)
 
 
-def _splits(counts: torch.Tensor) -> list[int]:
-    return counts.reshape(counts.shape[0], -1).sum(1).tolist()
+def _alone(scheduler, group: str, priority: str) -> bool:
+    """A group of one rank: its all-to-all is the identity, run with no collective and no
+    host sync (the counts are never read); graphs still show it, the runtime skips it."""
+    return scheduler.group(group, priority).size == 1
+
+
+def _splits(send_counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows per rank to send and to receive, read with one device-to-host copy (one sync)."""
+    send = send_counts.reshape(send_counts.shape[0], -1).sum(1)
+    recv = recv_counts.reshape(recv_counts.shape[0], -1).sum(1)
+    if send.device != recv.device:
+        return send.tolist(), recv.tolist()
+    both = torch.cat([send, recv.to(send.dtype)]).tolist()
+    return both[: send.numel()], both[send.numel() :]
 
 
 @all_to_all.register_fake
@@ -58,8 +73,11 @@ def exchange_counts(counts: torch.Tensor, group: str, group_size: int, priority:
     """counts [E] (rows for every expert) -> [P, E/P]: what each rank of `group` sends my experts.
     `priority`: the lane (microbatch_overlap puts counts ahead of the other micro-batch's rows)."""
     send = counts.reshape(group_size, -1).contiguous()
+    scheduler = current_scheduler()
+    if _alone(scheduler, group, priority):
+        return send.clone()
     ones = [1] * group_size
-    received = current_scheduler().all_to_all(send, ones, ones, group, priority)
+    received = scheduler.all_to_all(send, ones, ones, group, priority)
     return received.reshape(group_size, -1)
 
 
@@ -119,7 +137,11 @@ _lib.define("wait_tensor(Tensor(a) t) -> Tensor(a)")
 
 
 def _all_to_all_start(x, send_counts, recv_counts, group, priority, tag):
-    return current_scheduler().start_all_to_all(x, _splits(send_counts), _splits(recv_counts), group, priority, tag)
+    scheduler = current_scheduler()
+    if _alone(scheduler, group, priority):
+        return x.clone(memory_format=torch.contiguous_format)
+    send, recv = _splits(send_counts, recv_counts)
+    return scheduler.start_all_to_all(x, send, recv, group, priority, tag)
 
 
 def _wait_tensor(t):
