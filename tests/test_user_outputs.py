@@ -227,3 +227,61 @@ def test_ctrl_c_during_start_up_ends_with_one_line(after_s):
     out, _ = started.communicate(timeout=120)
     assert started.returncode == 130 and "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "no rank had started" in out, out
+
+
+def test_a_shared_failure_prints_on_the_rank_that_failed():
+    """Rank 1 failed a save, every rank raised it: rank 1 prints the error, rank 0 one pointer
+    line; an exception that is not a commfx user error is left to Python's traceback."""
+    import io
+
+    from commfx.checkpoint.agree import SharedFailure
+    from commfx.runtime.rank_errors import print_once
+
+    failure = SharedFailure("saving a checkpoint to ck failed on rank 1: PermissionError: denied", first_rank=1)
+    streams = [io.StringIO(), io.StringIO()]
+    assert all(print_once(failure, rank, streams[rank]) for rank in (0, 1))
+    assert streams[0].getvalue() == "rank 0 stopped: SharedFailure (rank 1 prints it)\n"
+    assert streams[1].getvalue() == "error: saving a checkpoint to ck failed on rank 1: PermissionError: denied\n"
+    assert not print_once(KeyError("a defect"), 0, io.StringIO())
+
+
+GRAPH_BREAK_SCRIPT = '''\
+import torch, torch.distributed as dist, commfx
+from commfx.models import load_model
+from commfx.models.gpt_moe import MoEBlock
+
+class PrintsBetweenRouterAndExperts(MoEBlock):
+    def forward(self, h):
+        b, s, d = h.shape
+        x = h.reshape(-1, d)
+        weights, indices = self.router(x)
+        print("routed")
+        return self.experts(x, indices, weights).reshape(b, s, d)
+
+dist.init_process_group("gloo")
+model, (ids,) = load_model("gpt-moe-tiny")
+for layer in model.layers:
+    block = PrintsBetweenRouterAndExperts(model.config)
+    block.load_state_dict(layer.moe.state_dict())
+    layer.moe = block
+plan = commfx.Plan.from_cli("lift,expert_parallel", world_size=dist.get_world_size())
+torch.compile(model, backend=commfx.backend(plan, model=model))(ids).sum().backward()
+'''
+
+
+@pytest.mark.distributed
+def test_a_graph_break_between_router_and_experts_is_named_once_under_torchrun(tmp_path):
+    """It ended in 'lift: cannot find the top-k expert indices entering experts' after about 45
+    lines of BackendCompilerFailed per rank; now one line names the break's file and line."""
+    import os
+    import subprocess
+
+    script = tmp_path / "breaks.py"
+    script.write_text(GRAPH_BREAK_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    message = f"error: lift: a graph break at {script}:10 in forward, between the router and the experts at"
+    assert out.count(message) == 1 and "(raised inside BackendCompilerFailed)" in out, out[-3000:]
+    assert "rank 1 stopped: PassError (rank 0 prints it)" in out and "cannot find the top-k" not in out, out[-3000:]

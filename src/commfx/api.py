@@ -17,6 +17,7 @@ from .compiler.program import Program
 from .compiler.sharding import shard_parameters
 from .compiler.pass_manager import check_plan
 from .plan import Plan, PlanError, said_once_per_node
+from .runtime import rank_errors
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.devices import module_device_type
 from .runtime.machine_probe import expert_work_shape, measure, measured_topology
@@ -45,6 +46,7 @@ def distribute(
     digest of every parameter and buffer across ranks and names those that differ;
     "broadcast" gives every rank rank 0's values first; "off" skips both.
     """
+    rank_errors.install()  # under torchrun, a commfx error every rank hits prints once
     if replicas not in REPLICA_MODES:
         raise PlanError(f"replicas={replicas!r} is not one of {', '.join(REPLICA_MODES)}")
     if not dist.is_initialized():

@@ -51,6 +51,7 @@ from .runtime.eager_grads import EagerGradientSync
 from .runtime.executor import BackwardExecutor, GraphExecutor
 from .runtime.grad_sync import GradientSync
 from .runtime.module import configure_comm
+from .runtime import rank_errors
 
 
 class CommfxBackend:
@@ -207,6 +208,7 @@ def backend(plan: Plan, model: torch.nn.Module | None = None) -> CommfxBackend:
     """A torch.compile backend that runs `plan` (call once per model; it keeps state).
     `model`: the module being compiled, so gradients of weights that dynamo runs outside
     every graph (after a graph break) are synchronised too."""
+    rank_errors.install()  # under torchrun, a commfx error every rank hits prints once
     return CommfxBackend(plan, model)
 
 
@@ -221,6 +223,7 @@ def default_backend(gm: fx.GraphModule, example_inputs: list):
     world = dist.get_world_size() if dist.is_initialized() else 1
     passes = os.environ.get("COMMFX_PASSES", "lift,expert_parallel")
     key = (passes, world)
+    rank_errors.install()
     if key not in _BY_NAME:
         _BY_NAME[key] = CommfxBackend(Plan.from_cli(passes, world_size=world))
     return _BY_NAME[key](gm, example_inputs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -198,6 +199,7 @@ def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: Expert
         for arg in n.all_input_nodes:
             if arg not in inside and arg not in external and _value(arg) is not None:
                 external.append(arg)
+    _refuse_routing_from_outside(path, compute)
     x, indices, weights = _classify_experts_inputs(path, external)
     gate_up = _param_node(graph, f"{path}.{pattern.gate_up}" if path else pattern.gate_up)
     down = _param_node(graph, f"{path}.{pattern.down}" if path else pattern.down)
@@ -227,6 +229,35 @@ def _lift_experts(rw: Rewriter, path: str, nodes: list[fx.Node], pattern: Expert
         path=path, pattern=pattern.name, num_experts=num_experts, top_k=_value(indices).shape[1], gate_up=gate_up.target,
         down=down.target, activation=activation, router=_router_path(indices), dispatch=dispatch, experts=[ffn], combine=combine,
     )
+
+
+def _refuse_routing_from_outside(path: str, compute: list[fx.Node]) -> None:
+    """Expert indices that are an input of the graph came from another graph: under
+    torch.compile (no fullgraph) dynamo cut the model between the router and its experts."""
+    entering = {a for n in compute for a in n.all_input_nodes if a.op == "placeholder"}  # graph inputs, whatever module they sit in
+    routed = [a for a in entering if _graph_input_value(a) is not None and not _graph_input_value(a).is_floating_point()
+              and _graph_input_value(a).dim() == 2]
+    if not routed:
+        return
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', next((n.meta.get("stack_trace") or "" for n in compute), ""))
+    where = ""
+    if frames:  # dynamo names the graph after a break torch_dynamo_resume_in_<function>_at_<line of the break>
+        file, line, function = frames[0]
+        resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", function)
+        where = f" at {file}:{resumed[2]} in {resumed[1]}" if resumed else f" before {file}:{line} in {function}"
+    raise PassError(
+        f"lift: a graph break{where}, between the router and the experts at {path}: dynamo cut the model there, so the experts' "
+        "top-k indices enter this graph from the previous one and commfx cannot rewrite the router and its experts together. "
+        "Remove the break (a print, .item(), .tolist() or data-dependent Python control flow between them); "
+        "torch.compile(model, fullgraph=True) or torch._dynamo.explain(model)(*inputs) names its line"
+    )
+
+
+def _graph_input_value(node: fx.Node) -> torch.Tensor | None:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if value is None and "grapharg" in node.meta:
+        value = getattr(node.meta["grapharg"], "example", None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _classify_experts_inputs(path: str, external: list[fx.Node]) -> tuple[fx.Node, fx.Node, fx.Node]:
