@@ -3,7 +3,8 @@ parameters after 3 AdamW steps under an LR scheduler, and one more step after th
 state_dict is reloaded, float64, world 2), dense data parallel and with expert_parallel
 (experts whole with ep == world, sharded over edp with ep=1), under partition_a2a's
 priority lanes; each rank steps and holds less; stage 2 without its sharded optimizer; the
-plan errors; what `commfx dump` prints."""
+plan errors; what `commfx dump` prints; `commfx verify` at stages 2 and 3, from the gradient
+shards, and failing on a wrong one."""
 
 import sys
 from pathlib import Path
@@ -161,8 +162,31 @@ def test_bucket_bytes_auto_follows_the_machine():
         check_plan(Plan.from_cli("lift,shard_states:bucket_bytes=big", world_size=2), model)
 
 
-def test_verify_refuses_stage_2_and_says_to_verify_stage_1():
+@pytest.mark.distributed
+def test_verify_checks_stages_2_and_3_from_the_gradient_shards():
+    """verify under ZeRO-2/3: each rank's shards of the reduced gradients, gathered whole over
+    their bucket's group, equal the single-process float64 reference, every parameter's (2 KiB
+    buckets cut parameters across the ranks' shards; default ones, one dp bucket cut in two)."""
     from commfx.verify import VerifyCase, verify
 
-    with pytest.raises(PlanError, match="verify with shard_states:stage=1"):
-        verify([VerifyCase("gpt-moe-tiny", Plan.from_cli("lift,shard_states:stage=2", world_size=2))], 2)
+    plans = [f"{EP},shard_states:stage=2;bucket_bytes=2048", f"{EP},shard_states:stage=3"]
+    reports = verify([VerifyCase("gpt-moe-tiny", Plan.from_cli(p, world_size=2)) for p in plans], 2, timeout_s=300)
+    model, _ = load_model("gpt-moe-tiny")
+    for passes, report in zip(plans, reports):
+        assert report.ok and report.max_diff <= 1e-10, (passes, report.failures)
+        assert set(report.grad_diffs) == {name for name, _ in model.named_parameters()}, passes
+
+
+@pytest.mark.distributed
+def test_verify_fails_a_wrong_gradient_shard():
+    """One element of rank 1's reduced-gradient shard off by 1e-6 after backward (stage 3):
+    the parameter it belongs to fails by that much, and only it."""
+    from commfx.verify import VerifyCase, checked_reference, compare
+
+    case = VerifyCase("gpt-moe-tiny", Plan.from_cli(f"{EP},shard_states:stage=3;bucket_bytes=2048", world_size=2))
+    results = launch("shard_verify_workers:verify_with_a_wrong_shard", 2, {"cases": [case]}, timeout_s=300, collective_timeout_s=60)
+    report = compare(case, [r[0] for r in results], 2, 1e-10, checked_reference(case, 2))
+    wrong = results[1][0]["wrong"]
+    assert wrong is not None and results[0][0]["wrong"] is None
+    assert report.failures == [wrong], report.failures
+    assert report.grad_diffs[wrong] == pytest.approx(1e-6, rel=1e-6)

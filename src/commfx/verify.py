@@ -7,6 +7,13 @@ original model on the whole batch with the same loss (scaled by 1/world under `m
 gradient reduction, which is what the runtime's gradient averaging computes). Outputs and
 every gradient must agree to the tolerance.
 
+Under shard_states:stage=2|3 backward leaves each rank only its shard of each reduced gradient
+(scaled as the replicated all-reduce scales it). Each rank makes the plan's sharded optimizer
+(its gradients are what that optimizer steps with), and after backward the slices it would
+step with are assembled, from every rank of each bucket's group, into the rank's whole
+gradient (`sharded_gradients`): what the replicated plan leaves in `.grad`, so a wrong shard
+fails its parameter's comparison, and ranks in different groups still hold replicas to agree.
+
 In capacity mode dropping depends on each rank's own batch, so the reference is the
 single-process capacity graph (lift + capacity dispatch, no communication) applied to each
 rank's slice; dropless mode is checked against the untouched original model.
@@ -33,7 +40,7 @@ from .models.hf import choose_experts_implementation, training_forward
 from .passes import plan_options
 from .compiler.pass_manager import no_op_passes, rewrite_census
 from .batches import batch_tensors, call, data_share, local_batch, pipeline_step, split_batch  # noqa: F401  (the doors' batch helpers, re-exported)
-from .plan import Plan, PlanError
+from .plan import Plan
 from .tolerances import MIXED_PRECISION_FORMULA, mixed_precision_tolerance  # noqa: F401  (re-exported)
 
 DEFAULT_TOLERANCE = 1e-10
@@ -229,10 +236,11 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase], device: s
         local = pytree.tree_map_only(torch.Tensor, lambda t: t.to(next(model.parameters()).device), local_batch(inputs, parts, part))
         # Every value is compared with the reference, so a replica that differs fails by its numbers.
         dm = distribute(model, case.plan, local, replicas="off")
+        optimizer = sharded_optimizer(dm)
         global_rows = batch_tensors(inputs)[0].shape[0]
         rows, tokens = batch_size(local)
         if isinstance(dm, PipelineModule):
-            results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed))
+            results.append(_verify_pipeline(dm, local, global_rows, parts, part, case.seed, optimizer))
             results[-1].update(rows=rows, tokens=tokens, rewrites=rewrite_census(dm.program, case.plan))
             continue
         outputs, losses = per_rank(pytree.tree_flatten(call(dm, local))[0])
@@ -242,7 +250,7 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase], device: s
         results.append(
             {
                 "outputs": [o.detach().cpu() for o in outputs],
-                "grads": {n: p.grad.detach().cpu().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+                "grads": rank_gradients(dm, optimizer),
                 "placement": dm.placement,
                 "rows": rows,
                 "tokens": tokens,
@@ -252,7 +260,50 @@ def verify_worker(rank: int, world_size: int, cases: list[VerifyCase], device: s
     return results
 
 
-def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: int) -> dict:
+def sharded_optimizer(dm) -> torch.optim.Optimizer | None:
+    """The plan's sharded optimizer (never stepped) where shard_states:stage=2|3 keeps only
+    shards of the reduced gradients, which it must exist to receive; None otherwise."""
+    from .runtime.sharded_optimizer import shard_optimizer
+    from .runtime.state_shards import ShardedGradSync
+
+    sync = getattr(dm, "grad_sync", None)
+    if isinstance(sync, ShardedGradSync) and sync.stage >= 2:
+        return shard_optimizer(dm, torch.optim.SGD, lr=0.0)
+    return None
+
+
+def sharded_gradients(dm, optimizer) -> dict[str, torch.Tensor]:
+    """name -> this rank's whole reduced gradient of each parameter shard_states:stage=2|3
+    left in shards: each rank's slices of it, as the sharded optimizer steps them, taken as
+    chunks of the parameter (`checkpoint.chunks.flat_chunks`) and assembled from the ranks of
+    the bucket's group (`checkpoint.gather.assemble`). Collective."""
+    from .checkpoint.chunks import flat_chunks
+    from .checkpoint.gather import assemble
+
+    names = {id(p): n for n, p in dm.module.named_parameters()}
+    mine, groups = {}, {}
+    for param, shard, slot, lo, hi, _ in optimizer._parts:
+        if shard is None:  # outside the buckets: its .grad is whole
+            continue
+        name, shape = names[id(param)], tuple(param.shape)
+        grad = optimizer._grad(param, shard, slot, lo, hi) if hi > lo else None
+        mine[name] = (shape, [] if grad is None else flat_chunks(grad.detach().cpu().clone(), shape, lo))
+        groups[name] = dm.scheduler.group(shard.bucket.group).ranks
+    everyone = dm.scheduler.all_gather_object(mine)
+    whole = {name: assemble([everyone[rank][name] for rank in groups[name]]) for name in mine}
+    return {name: grad for name, grad in whole.items() if grad is not None}
+
+
+def rank_gradients(dm, optimizer) -> dict[str, torch.Tensor]:
+    """name -> this rank's reduced gradient of each parameter that has one, on the CPU
+    (assembled from the shards under shard_states:stage=2|3). Collective with `optimizer`."""
+    grads = {n: p.grad.detach().cpu().clone() for n, p in dm.module.named_parameters() if p.grad is not None}
+    if optimizer is not None:
+        grads.update(sharded_gradients(dm, optimizer))
+    return grads
+
+
+def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: int, optimizer=None) -> dict:
     """The same probe loss, per micro-batch on the last stage (summed, not averaged over
     micro-batches, so the gradients are the reference's)."""
     from torch.utils import _pytree as pytree
@@ -268,7 +319,7 @@ def _verify_pipeline(dm, local, global_rows: int, parts: int, part: int, seed: i
     return {
         "outputs": [o.cpu() for o in outputs],
         "has_outputs": dm.is_last,
-        "grads": {n: p.grad.detach().cpu().clone() for n, p in dm.module.named_parameters() if p.grad is not None},
+        "grads": rank_gradients(dm, optimizer),
         "placement": dm.placement,
     }
 
@@ -482,11 +533,6 @@ def verify(cases: list[VerifyCase], world_size: int, *, tolerance: float = DEFAU
     for case in cases:
         if case.plan.topology.world_size != world_size:
             raise ValueError(f"case {case.model} has a plan for world size {case.plan.topology.world_size}, not {world_size}")
-        if "shard_states" in case.plan.pass_names() and plan_options(case.plan, "shard_states").stage >= 2:
-            raise PlanError(
-                "commfx verify compares every rank's whole gradients after one backward, and shard_states:stage=2 leaves each "
-                "rank only its shard of them; verify with shard_states:stage=1, which reduces the same gradients whole"
-            )
         model, inputs = build_case_model(case)
         preflight(model, case.plan, inputs)
         references.append(checked_reference(case, world_size))

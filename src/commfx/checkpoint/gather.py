@@ -30,14 +30,23 @@ def gather_full(dm, optimizer: torch.optim.Optimizer | None = None, *, to_rank: 
         return {}
     full = {}
     for name in dict.fromkeys(n for rank_state in everyone for n in rank_state):  # pipeline stages hold different tensors
-        held = [rank_state[name] for rank_state in everyone if name in rank_state]
-        size, first = held[0]
-        if size is None:
-            full[name] = first
-            continue
-        out = first[0][1].new_zeros(size)
-        for _, pieces in held:
-            for offsets, piece in pieces:
-                out[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
-        full[name] = out
+        value = assemble([rank_state[name] for rank_state in everyone if name in rank_state])
+        if value is not None:
+            full[name] = value
     return full
+
+
+def assemble(held: list[tuple]) -> torch.Tensor | None:
+    """One tensor from what several ranks hold of it: each (size, [(offsets, piece), ...]),
+    every piece written at its offsets into zeros of `size`; or (None, tensor), a whole
+    replica (the first is taken). None when the ranks hold no piece of it."""
+    size, first = held[0]
+    if size is None:
+        return first
+    pieces = [piece for _, chunks in held for piece in chunks]
+    if not pieces:
+        return None
+    out = pieces[0][1].new_zeros(size)
+    for offsets, piece in pieces:
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
+    return out
