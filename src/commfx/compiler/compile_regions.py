@@ -21,8 +21,10 @@ compiles from the cache (`TORCHINDUCTOR_CACHE_DIR`, default under the system's t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -141,30 +143,48 @@ def _hoist_getitems(gm: fx.GraphModule) -> None:
 
 def compile_regions(gm: fx.GraphModule, phase: str, hooks: Hooks | None = None, *, is_backward: bool | None = None) -> RegionReport:
     """Cut `gm` into regions and replace each with a call of its Inductor-compiled code (in
-    place). Call inside the lowering's tracing context (node.meta["val"] are its fakes)."""
+    place). Runs in the lowering's tracing context (node.meta["val"] are its fakes), or in
+    one made for the graph's fake mode when called on a lowered graph afterwards."""
     start = time.perf_counter()
     report = RegionReport()
     regions = cut_regions(gm, hooks if hooks is not None else default_hooks(gm, phase))
-    for index, nodes in enumerate(regions):
-        if not _worth_compiling(nodes):
-            report.interpreted += 1
-            continue
-        try:
-            module = _compile_region(nodes, phase == "backward" if is_backward is None else is_backward)
-        except Exception as error:  # noqa: BLE001  (any Inductor failure: the region stays interpreted)
-            report.interpreted += 1
-            _log.debug("region %d of the %s graph stays interpreted", index, phase, exc_info=True)
-            report.notes.append(f"region {index} ({len(nodes)} nodes) stays interpreted: {type(error).__name__}: {_first_line(error)}")
-            continue
-        _replace(gm, nodes, f"region_{index}", module)
-        report.sizes.append(len(nodes))
+    with _tracing_context(gm):
+        _compile_each(gm, regions, phase, report, phase == "backward" if is_backward is None else is_backward)
     gm.graph.lint()
     gm.recompile()
     for key in ("commfx_first_uses", "commfx_param_uses"):  # caches keyed by the graph's old nodes
         gm.meta.pop(key, None)
     report.seconds = time.perf_counter() - start
     gm.meta[REGION_REPORT] = report
+    for note in report.notes:
+        print(f"commfx: {phase} graph: {note}", file=sys.stderr, flush=True)
     return report
+
+
+def _tracing_context(gm: fx.GraphModule):
+    if torch._guards.TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    return torch._guards.tracing(torch._guards.TracingContext(mode)) if mode is not None else contextlib.nullcontext()
+
+
+def _compile_each(gm: fx.GraphModule, regions: list[list[fx.Node]], phase: str, report: RegionReport, is_backward: bool) -> None:
+    for index, nodes in enumerate(regions):
+        if not _worth_compiling(nodes):
+            report.interpreted += 1
+            continue
+        inputs, outputs = _boundary(nodes)
+        inputs += _size_inputs(gm, nodes, inputs)
+        try:
+            module = _compile_region(nodes, inputs, outputs, is_backward)
+        except Exception as error:  # noqa: BLE001  (any Inductor failure: the region stays interpreted)
+            report.interpreted += 1
+            _log.debug("region %d of the %s graph stays interpreted", index, phase, exc_info=True)
+            report.notes.append(f"region {index} ({len(nodes)} nodes) stays interpreted: {type(error).__name__}: {_first_line(error)}")
+            continue
+        _replace(gm, nodes, inputs, outputs, f"region_{index}", module)
+        report.sizes.append(len(nodes))
 
 
 class CompiledRegion(torch.nn.Module):
@@ -200,12 +220,44 @@ def _boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, outputs
 
 
-def _compile_region(nodes: list[fx.Node], is_backward: bool) -> CompiledRegion:
+def _size_inputs(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node]) -> list[fx.Node]:
+    """Nodes of the outer graph to pass a region as well, for each symbol its inputs' sizes use
+    (`s0*s1` uses both) that no input has as a plain size of its own: a size node (placeholder,
+    sym_size) or a tensor with that size. Inductor's code binds every symbol from an input."""
+    bound, used = set(), set()
+    for source in inputs:
+        for size in _sizes(source.meta.get("val")):
+            used |= size.node.expr.free_symbols
+            if size.node.expr.is_Symbol:
+                bound.add(size.node.expr)
+    missing = used - bound
+    if not missing:
+        return []
+    extra = []
+    for node in gm.graph.nodes:
+        if node is nodes[0]:
+            break
+        value = node.meta.get("val")
+        plain = {d.node.expr for d in _sizes(value) if d.node.expr.is_Symbol} & missing
+        if plain:  # a size, or a tensor with the symbol as one of its sizes (Inductor reads it there)
+            missing -= plain
+            extra.append(node)
+    return extra
+
+
+def _sizes(value) -> list[torch.SymInt]:
+    if isinstance(value, torch.SymInt):
+        return [value]
+    if isinstance(value, torch.Tensor):
+        return [d for d in (*value.shape, *value.stride()) if isinstance(d, torch.SymInt)]
+    return []
+
+
+def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], is_backward: bool) -> CompiledRegion:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    inputs, outputs = _boundary(nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for source in inputs:
@@ -217,22 +269,27 @@ def _compile_region(nodes: list[fx.Node], is_backward: bool) -> CompiledRegion:
     graph.output(tuple(env[n] for n in outputs))
     region = fx.GraphModule(torch.nn.Module(), graph)
     examples = [source.meta["val"] for source in inputs]
-    decomposed = make_fx(region, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
+    mode = torch._guards.detect_fake_mode(examples)
+    with mode if mode is not None else contextlib.nullcontext():  # factory ops (arange of a size) trace on fakes too
+        decomposed = make_fx(region, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
     context = torch._guards.TracingContext.try_get()
     strides = context.output_strides if context is not None else None
     if context is not None:  # Inductor records a graph's output strides there: they are the region's, not the lowered graph's
         context.output_strides = None
     try:
-        compiled = compile_fx_inner(decomposed, examples, is_backward=is_backward, is_inference=False)
+        try:
+            compiled = compile_fx_inner(decomposed, examples, is_backward=is_backward, is_inference=False)
+        except NameError:  # torch's FX graph cache can fail to evaluate a cached entry's size guards: compile afresh
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                compiled = compile_fx_inner(decomposed, examples, is_backward=is_backward, is_inference=False)
     finally:
         if context is not None:
             context.output_strides = strides
     return CompiledRegion(region, compiled)
 
 
-def _replace(gm: fx.GraphModule, nodes: list[fx.Node], name: str, module: torch.nn.Module) -> None:
+def _replace(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], name: str, module: torch.nn.Module) -> None:
     """Swap the run `nodes` for one call of `module`, its outputs read by getitem."""
-    inputs, outputs = _boundary(nodes)
     gm.add_submodule(name, module)
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
