@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from commfx.bench.run_record import RunRecorder
 from commfx.models import build_gpt_moe
 from commfx.runtime.placement import RoutingStats, balanced_placement, contiguous_placement, dispatch_rows, solve_placement
 
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    recorder = RunRecorder()
 
     torch.manual_seed(0)
     model, _ = build_gpt_moe(vocab_size=256, hidden_size=64, num_layers=2, num_experts=8, top_k=2, max_seq=SEQ, seed=0)
@@ -109,7 +111,7 @@ def main() -> None:
             f"{r['max_load_over_mean_contiguous']:.2f}, {r['max_load_over_mean_balanced']:.2f}, {r['max_load_over_mean_affinity']:.2f} | {r['placement']} |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "run": recorder.finish()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from commfx.bench.run_record import RunRecorder
+
 PLANS = {
     "bf16 dispatch": "lift,expert_parallel",
     "fp8 dispatch": "lift,expert_parallel:dispatch=fp8",
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    recorder = RunRecorder()
     seeds = [int(s) for s in args.seeds.split(",")]
     sys.path.insert(0, str(Path(__file__).parent))
     config = {k: getattr(args, k) for k in ("steps", "batch", "seq", "lr", "world_size")} | {"seeds": seeds, "precision": "bf16"}
@@ -107,7 +110,7 @@ def main() -> None:
             / results["bf16 dispatch"]["over_seeds"]["a2a_bytes_per_step"]["mean"],
         }
         if args.json:
-            Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=1))
+            Path(args.json).write_text(json.dumps({"config": config, "results": results, "run": recorder.finish()}, indent=1))
     print(json.dumps(results["fp8 vs bf16"], indent=1))
 
 

@@ -28,11 +28,13 @@ import torch
 import triton.testing
 
 from commfx import kernels as K
+from commfx.bench.run_record import RunRecorder
 from commfx.ops import fp8_dispatch
 
 packed_module = sys.modules["commfx.kernels.packed_experts"]  # the package's name is the function
 EXPERTS, HIDDEN, INNER = 8, 4096, 3584  # Mixtral-8x7B's 8 experts and hidden width; a quarter of its 14336 inner width
 TOKENS = 16384  # routed rows (top-2 of 8192 tokens)
+PROPORTIONS = "mixtral-8x7b shapes, inner width / 4"
 
 
 def bench(fn) -> float:
@@ -145,6 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and the ceilings here")
     args = parser.parse_args()
+    recorder = RunRecorder(proportions=PROPORTIONS)
     torch.backends.cuda.matmul.allow_tf32 = False
     card = torch.cuda.get_device_name()
     ceiling = ceilings()
@@ -157,7 +160,8 @@ def main() -> None:
         print(f"{r['kernel']:<66} {r['ms']:>8.3f} {r['floor_ms']:>9.3f} {r['floor_ms'] / r['ms']:>9.2f} {err:>9}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "triton": triton.__version__, "ceilings": ceiling, "rows": rows}, f, indent=2)
+            json.dump({"card": card, "torch": torch.__version__, "triton": triton.__version__, "ceilings": ceiling, "rows": rows,
+                       "run": recorder.finish()}, f, indent=2)
 
 
 if __name__ == "__main__":

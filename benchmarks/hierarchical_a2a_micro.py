@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--json")
     args = parser.parse_args()
+    recorder = RunRecorder()
     world = args.nodes * args.ranks_per_node
     with EmulatedCluster(args.nodes, args.ranks_per_node, LinkSpec.parse(args.link)) as cluster:
         def environment(rank: int) -> RankEnvironment:
@@ -102,7 +103,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cluster": described, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "link": args.link,
-                       "reps": args.reps, "hidden": args.hidden, "dtype": "float32", "rows": rows}, f, indent=1)
+                       "reps": args.reps, "hidden": args.hidden, "dtype": "float32", "rows": rows, "run": recorder.finish()}, f, indent=1)
 
 
 if __name__ == "__main__":

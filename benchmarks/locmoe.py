@@ -156,6 +156,7 @@ def table(results: dict, base: str) -> str:
 
 
 def main() -> None:
+    from commfx.bench.run_record import TOY, RunRecorder
     from commfx.runtime.launcher import launch
 
     parser = argparse.ArgumentParser()
@@ -170,6 +171,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only these comma-separated labels, in this order (switch always runs, first)")
     parser.add_argument("--plan", action="append", default=[], metavar="LABEL=PASSES", help="an extra plan (repeatable)")
     args = parser.parse_args()
+    recorder = RunRecorder(proportions="qwen3-30b-a3b" if args.model == "qwen3-moe" else TOY)
     plans = {**ROUTERS, **dict(p.split("=", 1) for p in args.plan)}
     if args.only:
         plans = {label: plans[label] for label in dict.fromkeys(["switch", *args.only.split(",")])}
@@ -187,7 +189,7 @@ def main() -> None:
             print(label, seed, json.dumps({k: v for k, v in runs[seed].items() if k != "aux_last"}), flush=True)
         results[label] = {"passes": passes, "per_seed": runs, "over_seeds": over_seeds(runs)}
         if args.json:  # after every router, so a cut run keeps what it measured
-            Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=1))
+            Path(args.json).write_text(json.dumps({"config": config, "results": results, "run": recorder.finish()}, indent=1))
     print()
     print(table(results, "switch"))
 

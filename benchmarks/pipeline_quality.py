@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from commfx.bench.run_record import RunRecorder
+
 PLANS = {
     "uncompressed": "lift,pipeline_split:microbatches={m}",
     "compressed, lazy error propagation": "lift,pipeline_split:microbatches={m},compress_pipeline:rank={r};epilogue_only=false",
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1, choices=(1, 2), help="2: pp=2 x dp=2 on 4 ranks, selective stage compression")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    recorder = RunRecorder()
     sys.path.insert(0, str(Path(__file__).parent))
     from commfx.runtime.launcher import launch
 
@@ -132,7 +135,7 @@ def main() -> None:
     for row in rows:
         print(f"| {row['plan']} | {row['final_loss']:.4f} | {100 * row['vs_uncompressed']:+.2f}% | {row[key]:,} | {row['bytes_ratio']:.1f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "curves": curves}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "curves": curves, "run": recorder.finish()}, indent=1))
 
 
 if __name__ == "__main__":

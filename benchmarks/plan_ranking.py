@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from commfx.bench.run_record import RunRecorder
 from commfx.simulate import UNSUPPORTED, load_cluster
 from commfx.simulate.search import Candidate, search
 from commfx.simulate.validate import bench_model, layout_of
@@ -68,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the comparison here")
     args = parser.parse_args()
+    recorder = RunRecorder(proportions="each run's own")
     rows = [rank(title, files) for title, files in RUNS]
     for row in rows:
         print(f"\n{row['run']} ({row['candidates']} candidates)")
@@ -75,7 +77,7 @@ def main() -> None:
             print(f"  predicted {row['predicted_s'][p] * 1e3:7.1f} ms  measured {row['measured_s'][p] * 1e3:7.1f} ms  {p}")
         print(f"  first choice {row['chosen_over_best_measured']:.3f}x the best measured ({'within' if row['chosen_over_best_measured'] <= 1.05 else 'NOT within'} 5%)")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "run": recorder.finish()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import re
 import statistics
 from pathlib import Path
 
+from commfx.bench.run_record import RunRecorder
 from commfx.simulate.validate import validate
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every comparison here")
     args = parser.parse_args()
+    recorder = RunRecorder(proportions="each run's own")
     rows, skipped = [], []
     for path in cited_runs():
         comparisons, passed_over = validate(path, precision=PRECISION.get(path.name, "fp32"))
@@ -62,7 +64,7 @@ def main() -> None:
     for line in skipped:
         print(f"skipped: {line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "comparisons": rows, "skipped": skipped}, indent=2))
+        Path(args.json).write_text(json.dumps({"summary": summary, "comparisons": rows, "skipped": skipped, "run": recorder.finish()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commfx.bench.run_record import RunRecorder
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 VOCAB, LAYERS, SEQ = 256, 2, 64
@@ -241,6 +243,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    recorder = RunRecorder()
     out = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_before": Path("/proc/loadavg").read_text().split()[:3]}
     if args.skip != "bench":
@@ -258,6 +261,7 @@ def main() -> None:
         for r in out["quality"]["rows"]:
             print(f"| {r['plan']} | {r['final_loss']:.4f} | {100 * r['vs_no_straggler']:+.2f}% | {r['mean_resize_error']:.3f} | {r['seconds']:.0f} |")
     out["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    out["run"] = recorder.finish()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 

@@ -110,6 +110,21 @@ def _check_result(result: dict, stdout: str, **model_kwargs) -> None:
                  "grad_all_reduce"):
         assert text in stdout, text
     assert ("wire ÷ scheduler" if result["emulated"] else "bytes on the wire: not counted") in stdout
+    _check_run_record(result)
+
+
+def _check_run_record(result: dict) -> None:
+    """What a reader needs to judge the run: commit, command line, load, proportions, and for
+    each plan (peers too) whether it ran in the same interleaved rounds."""
+    run = result["run"]
+    assert len(run["commit"]["sha"]) == 40 and isinstance(run["commit"]["dirty"], bool)
+    assert " bench " in f" {run['command']} " and "--json" in run["command"]
+    machine = run["machine"]
+    assert machine["cores"] == os.cpu_count()
+    assert len(machine["load_start"]) == 3 and len(machine["load_end"]) == 3
+    assert 0.0 <= machine["others_cpu_share"] <= 1.0
+    assert run["proportions"] == "toy"
+    assert all(p["same_rounds"] is True and p["peer"] is p["passes"].startswith("peer:") for p in result["plans"])
 
 
 def _check_wire(result: dict, plan: dict) -> None:

@@ -70,6 +70,7 @@ class PlanResult:
     peer_bytes: dict[str, float] = field(default_factory=dict)  # a peer's own count: payload bytes per step, all ranks
     link: LinkSpec | None = None  # the inter-node link the cluster set (rate and latency of the wire bound)
     layout: dict[str, int] = field(default_factory=dict)  # the plan's pp, tp and ep sizes (what `commfx simulate` lays out)
+    same_rounds: bool = True  # measured in the same interleaved rounds as every other plan of the run (bench_worker)
 
     @property
     def replay_bound(self) -> float:
@@ -135,6 +136,7 @@ class PlanResult:
     def as_dict(self) -> dict:
         return {
             "label": self.label, "passes": self.passes, "layout": self.layout or None,
+            "peer": self.passes.startswith("peer:"), "same_rounds": self.same_rounds,
             "wall": self.wall.as_dict(), "compute_only": self.compute.as_dict(), "comm_only": self.comm.as_dict(),
             "replay_bound_s": self.replay_bound, "wire_bound_s": self.wire_bound,
             "bytes_per_step": self.bytes,
@@ -168,6 +170,7 @@ class BenchResult:
     machine: dict = field(default_factory=dict)
     date: str = ""
     straggler: dict | None = None  # SlowRank.as_dict(): who was slow, by how much, how
+    run: dict | None = None  # run_record.RunRecorder.finish(): commit, command, load, proportions
 
     @property
     def baseline(self) -> PlanResult | None:
@@ -220,7 +223,7 @@ class BenchResult:
             "wall_over_baseline": self.wall_ratios(),
             "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
             "calibration": self.calibration, "machine": self.machine, "date": self.date,
-            "straggler": self.straggler,
+            "straggler": self.straggler, "run": self.run,
         }
         return out
 

@@ -157,6 +157,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..bench.render import render
     from ..bench.links import LinkSpec
     from ..bench.proportions import gpt_moe_kwargs
+    from ..bench.run_record import TOY, RunRecorder
     from .checks import check_local_world, check_output_paths
 
     world = args.nodes * args.ranks_per_node
@@ -185,8 +186,10 @@ def _run(args: argparse.Namespace) -> int:
     console.print(f"bench {args.model} passes {args.passes!r}{vs}: {args.warmup} warm-up + {args.steps} measured rounds"
                   f"{f' of {args.steps_per_round} steps each' if args.steps_per_round > 1 else ''}, "
                   f"model config {config.model_kwargs}", markup=False)
+    recorder = RunRecorder(proportions=args.proportions or TOY)
     result = run_bench(config, link=link, emulate=not args.no_emulation, calibrate_first=args.calibrate,
                        console=console, timeout_s=args.timeout)
+    result.run = recorder.finish()
     render(result, console)
     if args.json:
         with open(args.json, "w") as f:
