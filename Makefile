@@ -3,13 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.commfx-installed
 
-.PHONY: demo test test-all test-gpu install system-deps clean
+.PHONY: demo test test-all test-gpu test-hf-oldest install system-deps clean
+
+# pyproject takes torch and triton as ranges; naming the releases here makes pip take the CPU
+# torch 2.13.0 wheel (fast on a fresh machine) instead of the newest multi-GB CUDA build.
+TORCH := 'torch==2.13.0' 'triton==3.9.0'
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test,peers]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q $(TORCH) -e '.[test,peers]'
 	touch $(STAMP)
 
 # iproute2 gives `ip`/`tc` for the emulated cluster (network namespaces); needs root.
@@ -40,6 +44,26 @@ test-all: install system-deps
 	PYTHONPATH=src $(VENV)/bin/lint-imports --no-cache
 	$(PYTEST)
 
+# The oldest end of the supported transformers range (README, "Supported versions"), CI's second
+# job: its own venv (commfx without extras, the oldest transformers), `commfx verify` through the
+# command line on two families, then tests/test_hf_compat.py with its slow cases: verify on every
+# family the recognisers take, and the compile door training a raw Mixtral (world 2; a few minutes).
+HF_OLDEST := 5.17.0
+OLD_VENV ?= .venv-hf-oldest
+OLD_STAMP := $(OLD_VENV)/.commfx-installed-$(HF_OLDEST)
+
+$(OLD_STAMP): pyproject.toml
+	python3 -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install -q $(TORCH) -e . 'transformers==$(HF_OLDEST)' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6'
+	touch $(OLD_STAMP)
+
+# Compute is interpreted, as in the tests (conftest.py): this job checks the transformers range.
+test-hf-oldest: $(OLD_STAMP)
+	$(OLD_VENV)/bin/python -c 'import transformers as t; assert t.__version__ == "$(HF_OLDEST)", t.__version__; print("transformers", t.__version__)'
+	COMMFX_COMPUTE=interpret $(OLD_VENV)/bin/commfx verify hf:mixtral --world-size 2
+	COMMFX_COMPUTE=interpret $(OLD_VENV)/bin/commfx verify hf:qwen3_moe --world-size 2
+	env -u COMMFX_UPDATE_GOLDEN $(OLD_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests/test_hf_compat.py
+
 # The GPU checks (issue 31): compiled Triton kernels against their references in fp16/bf16/fp32,
 # NCCL worlds, stream lanes, verify and run on CUDA. On a CUDA machine, with the python that has
 # torch there (nothing is installed: GPU machines often have no registry): `make test-gpu`.
@@ -49,4 +73,4 @@ test-gpu:
 	env -u TRITON_INTERPRET PYTHONPATH=src $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS)
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(OLD_VENV) out
