@@ -135,7 +135,7 @@ def test_refuses_what_deepspeed_cannot_express():
 
     assert issubclass(PeerUnsupported, ValueError)
     assert peer_module("deepspeed_moe").DeepSpeedMoEPeer.name == "deepspeed_moe"
-    with pytest.raises(ValueError, match="unknown peer 'ddpp': the peers are ddp, deepspeed_moe"):
+    with pytest.raises(ValueError, match="unknown peer 'ddpp': the peers are compile, ddp, deepspeed_moe"):
         peer_module("ddpp")
 
 

@@ -52,7 +52,7 @@ def test_bench_times_peers_beside_a_plan(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "vs, message",
-    [("peer:horovod", "unknown peer 'horovod': the peers are ddp, deepspeed_moe"),
+    [("peer:horovod", "unknown peer 'horovod': the peers are compile, ddp, deepspeed_moe"),
      ("peer:ddp --slow-rank 1:2 --slow-method delay", "only with --slow-method cgroup")],
 )
 def test_peer_errors_are_clear_and_come_before_any_rank(vs, message, capsys):

@@ -160,10 +160,10 @@ def render(result: BenchResult, console) -> None:
             console.print(f"{p.label}: pack_experts re-placed {line}", markup=False)
         for line in p.choices:
             console.print(f"{p.label}: {line}", markup=False)
-    if result.paired_wall_ratio is not None:
-        r = result.paired_wall_ratio
+    passes = {p.label: p.passes for p in result.plans}
+    for label, r in result.paired_wall_ratios.items():
         console.print(
-            f"paired wall ratio plan ÷ baseline (same round, interleaved): median {r.median:.2f}, "
+            f"paired wall ratio plan ÷ {label} ({_passes_text(passes[label])}; same round, interleaved): median {r.median:.2f}, "
             f"p25–p75 {r.quantile(0.25):.2f}–{r.quantile(0.75):.2f}, min–max {min(r.samples):.2f}–{max(r.samples):.2f}"
         )
     if not result.emulated:

@@ -166,6 +166,8 @@ class BenchResult:
     plans: list[PlanResult]
     steps_per_round: int = 1
     paired_wall_ratio: Timing | None = None  # per-round plan wall / baseline wall
+    # Per other plan (baseline and every --also): per-round plan wall / its wall, same rounds.
+    paired_wall_ratios: dict[str, Timing] = field(default_factory=dict)
     calibration: dict | None = None
     machine: dict = field(default_factory=dict)
     date: str = ""
@@ -222,6 +224,7 @@ class BenchResult:
             "ratios_plan_over_baseline": self.ratios(),
             "wall_over_baseline": self.wall_ratios(),
             "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
+            "paired_wall_ratios": {label: t.as_dict() for label, t in self.paired_wall_ratios.items()},
             "calibration": self.calibration, "machine": self.machine, "date": self.date,
             "straggler": self.straggler, "run": self.run,
         }
@@ -230,7 +233,7 @@ class BenchResult:
 
 def _layout(plan) -> dict[str, int]:
     t = plan.topology
-    return {"pp": t.pp, "tp": t.tp, "ep": t.expert_parallel_size, "precision": plan.precision}
+    return {"pp": t.pp, "tp": t.tp, "ep": t.expert_parallel_size, "precision": plan.precision, "compute": plan.compute}
 
 
 def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: LinkSpec | None) -> BenchResult:
@@ -255,14 +258,16 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
             link=link,
             layout={} if spec.peer else _layout(spec.plan),
         ))
-    paired = None
-    if len(plans) > 1:
-        paired = Timing([a / b for a, b in zip(plans[0].wall.samples, plans[1].wall.samples)])
+    # The plan's wall over each other plan's in the same round (a paired measurement: load
+    # from other processes falls on both), summarised by the median of those ratios.
+    paired_all = {p.label: Timing([a / b for a, b in zip(plans[0].wall.samples, p.wall.samples)]) for p in plans[1:]}
+    paired = paired_all.get(plans[1].label) if len(plans) > 1 else None
     return BenchResult(
         model=config.model, model_kwargs=config.model_kwargs, nodes=cluster.nodes,
         ranks_per_node=cluster.ranks_per_node, link=str(link) if link else None, emulated=cluster.emulated,
         cluster=cluster.describe(), fallback_reason=cluster.reason, steps=config.steps, warmup=config.warmup,
-        steps_per_round=config.steps_per_round, plans=plans, paired_wall_ratio=paired, machine=machine_info(),
+        steps_per_round=config.steps_per_round, plans=plans, paired_wall_ratio=paired, paired_wall_ratios=paired_all,
+        machine=machine_info(),
         date=_dt.date.today().isoformat(), straggler=config.slow.as_dict() if config.slow else None,
     )
 

@@ -310,6 +310,10 @@ class _PeerRunner(_Runner):
     def traced_round(self, rank: int, trace_dir: str) -> str | None:
         return None  # a peer's collectives are not on commfx's timeline
 
+    def choices(self) -> list[str]:
+        """What the peer says about its setup (torch.compile: how long compiling took)."""
+        return list(getattr(self.peer, "notes", []))
+
 
 CHECK_ROWS_PER_RANK = 2
 

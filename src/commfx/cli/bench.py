@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..plan import MACHINE_FIGURES
+from ..plan import COMPUTE_MODES, MACHINE_FIGURES
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
 
 __all__ = ["add_parser"]
@@ -50,6 +50,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="every commfx plan's precision: bf16 keeps float32 master weights, computes in bfloat16 and moves "
                              "bfloat16 all-to-all rows (peers run as they are)")
+    parser.add_argument("--compute", choices=COMPUTE_MODES, default=None,
+                        help="how every commfx plan runs the compute between collectives: inductor (compiled regions) or "
+                             "interpret (the graph executor); default: COMMFX_COMPUTE, else inductor (peers run as they are)")
     parser.add_argument("--grad-reduce", choices=("fp32", "bf16"), default="fp32",
                         help="the dtype every commfx plan all-reduces gradients in (default fp32)")
     parser.add_argument("--nodes", type=positive_int, default=2, help="emulated nodes (default 2)")
@@ -178,7 +181,8 @@ def _run(args: argparse.Namespace) -> int:
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
         slow_method=args.slow_method, healthy=tuple(args.healthy),
-        plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce, "machine": _machine(args)},
+        plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce, "machine": _machine(args),
+                     **({"compute": args.compute} if args.compute else {})},
     )
     if args.trace:
         config = dataclasses.replace(config, trace_dir=str(Path(args.trace).resolve()))

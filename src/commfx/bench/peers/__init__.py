@@ -13,6 +13,9 @@ model, batch and optimizer (issue 29), each verified equal to the single-process
 - `dtensor_tp` (:mod:`.dtensor_tp`): the attention and MLP blocks tensor-parallel with torch's
   DTensor `ColwiseParallel`/`RowwiseParallel`, the split commfx's tensor_parallel infers, the
   whole batch on every rank (ZERO-resizing's baseline; the bench runs it with `--tp WORLD`).
+- `eager` (:mod:`.eager`) and `compile` (:mod:`.torch_compile`): the plain model in one process,
+  called eagerly or through `torch.compile` (Inductor; `peer:compile:mode=...`): the compute
+  table's columns at world 1 (`--nodes 1 --ranks-per-node 1`); at a larger world `ddp` is the peer.
 
 Every peer module gives the bench `NAME`, `preflight(model, *, ep_size, world_size,
 capacity_factor, inputs)` (one process, before any rank starts), `Runner(model, inputs, *, ep_size, lr,
@@ -33,7 +36,8 @@ from .common import PeerCheck, PeerUnsupported, relative_diff
 # NAME in `--vs peer:NAME` -> the module that implements it.
 PEERS = {"deepspeed_moe": "commfx.bench.peers.deepspeed_moe", "ddp": "commfx.bench.peers.ddp",
          "dtensor_tp": "commfx.bench.peers.dtensor_tp", "fsdp2": "commfx.bench.peers.fsdp2",
-         "pipelining": "commfx.bench.peers.pipelining"}
+         "pipelining": "commfx.bench.peers.pipelining",
+         "eager": "commfx.bench.peers.eager", "compile": "commfx.bench.peers.torch_compile"}
 
 
 def peer_module(name: str) -> ModuleType:
