@@ -157,3 +157,115 @@ def loss_reference(world_size: int, rows: int) -> dict:
             optimizer.step()
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+# ------------------------------------------- split_embedding_comm:schedule=2d (test_embrace_2d.py)
+
+STREAM_OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.05),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+}
+
+
+def _halving(optimizer):
+    """An LR scheduler that changes the learning rate after every step (a missed step must use the old one)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+
+
+def stream_batch(rows: int, step: int) -> torch.Tensor:
+    """Step `step`'s global batch of a stream: a different draw each step (rows 40..63 of tok never read)."""
+    from embedding_lm import batch
+
+    return batch(rows, seed=step)
+
+
+def _stream_loss(out, rows, step, world_size, rank):
+    return (out * split_batch(probes([out], rows, step)[0], world_size, rank)).sum()
+
+
+def train_stream(rank: int, world_size: int, rows: int, plans: list[str], optimizers: list[str], steps: int,
+                 next_batch: bool = True, save_at: int = 0, checkpoint_dir: str = "") -> dict:
+    """Per plan and optimizer: the losses and parameters after `steps` steps on a stream of
+    batches (an LR scheduler halving the rate each step), the 2d schedule told each next
+    batch; with `save_at`, a commfx.save after that step, training on, and a fresh module
+    resumed from the checkpoint trained to the end too ("resumed")."""
+    from embedding_lm import build
+
+    import commfx
+
+    results = {}
+    for passes in plans:
+        def fresh():
+            model, _ = build(rows)
+            return distribute(model.double(), Plan.from_cli(passes, world_size=world_size), (split_batch(stream_batch(rows, 0), world_size, rank),))
+
+        def with_optimizer(dm, name):
+            optimizer = STREAM_OPTIMIZERS[name](dm.parameters())
+            dm.attach_optimizer(optimizer)
+            return optimizer, _halving(optimizer)
+
+        def run(dm, optimizer, scheduler, first, last, losses):
+            for step in range(first, last):
+                local = split_batch(stream_batch(rows, step), world_size, rank)
+                optimizer.zero_grad(set_to_none=True)
+                out = dm(local)
+                loss = _stream_loss(out, rows, step, world_size, rank)
+                if next_batch:
+                    dm.next_batch(split_batch(stream_batch(rows, step + 1), world_size, rank))
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                losses.append(loss.item())
+                if save_at and step + 1 == save_at:
+                    commfx.save(dm, optimizer, checkpoint_dir, step=save_at)
+
+        dm = fresh()
+        start = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dm.state_dict().items()}
+        for name in optimizers:  # one module per plan (lowered once), restarted from the same state per optimizer
+            dm.load_state_dict(start)
+            optimizer, scheduler = with_optimizer(dm, name)
+            caught_up = dm.rows.caught_up
+            losses: list[float] = []
+            dm.scheduler.dispatcher.history = []
+            run(dm, optimizer, scheduler, 0, steps, losses)
+            pending = dm.rows.pending
+            dm.synchronize()
+            row_bytes: dict[str, int] = {}
+            for done in dm.scheduler.dispatcher.history:
+                if done.priority.startswith("rows_"):
+                    row_bytes[done.priority] = row_bytes.get(done.priority, 0) + done.nbytes
+            dm.scheduler.dispatcher.history = None
+            result = {"losses": losses, "pending_before_sync": pending, "caught_up": dm.rows.caught_up - caught_up, "row_bytes": row_bytes,
+                      "params": {n: p.detach().clone() for n, p in dm.module.named_parameters()}, "placement": dm.placement}
+            if save_at:
+                resumed_dm = fresh()
+                optimizer2, scheduler2 = with_optimizer(resumed_dm, name)
+                commfx.load(resumed_dm, optimizer2, checkpoint_dir)
+                scheduler2.load_state_dict(scheduler.state_dict() | {"last_epoch": save_at, "_step_count": save_at + 1})
+                resumed: list[float] = []
+                run(resumed_dm, optimizer2, scheduler2, save_at, steps, resumed)
+                resumed_dm.synchronize()
+                result["resumed"] = {"losses": resumed, "params": {n: p.detach().clone() for n, p in resumed_dm.module.named_parameters()}}
+            results[(passes, name)] = result
+    return results
+
+
+def stream_reference(world_size: int, rows: int, optimizers: list[str], steps: int) -> dict:
+    """Dense data parallelism in one process on the same stream: the ranks' losses summed, over world (DDP's mean)."""
+    from embedding_lm import build
+
+    out = {}
+    for name in optimizers:
+        model, _ = build(rows)
+        model = model.double()
+        optimizer = STREAM_OPTIMIZERS[name](model.parameters())
+        scheduler = _halving(optimizer)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(stream_batch(rows, step))
+            ((logits * probes([logits], rows, step)[0]).sum() / world_size).backward()
+            optimizer.step()
+            scheduler.step()
+        out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out

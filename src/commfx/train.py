@@ -140,6 +140,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
             loss = pipeline_step(dm, local, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs)).loss
         else:
             loss = loss_fn(call(dm, local), tensors)
+            if step + 1 < config.steps:  # one fixed batch: the next step reads the same rows (split_embedding_comm:schedule=2d)
+                call(dm.next_batch, local)
             loss.backward()
         problem = step_not_finite(dm, loss)
         optimizer.step()
@@ -184,6 +186,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
                 print(capacity_report() + "  (rank 0's batch)", flush=True)
         if config.checkpoint_dir and config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             checkpoint(dm, optimizer, config.checkpoint_dir, step + 1, rank)
+    if not pipelined:
+        dm.synchronize()  # what is still on the wire (defer_grad_sync, schedule=2d) and the steps it owes
     if config.export_dir:
         from .checkpoint.hf import export_hf
 

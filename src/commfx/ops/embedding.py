@@ -17,6 +17,10 @@ Its gradient is a dense [V, H] table that the gradient sync all-reduces (strateg
   the lookup of rows by `inverse` coalesces token gradients into one row per unique id,
   the reverse all-to-all carries them to the owners, and the owner's `embedding` backward
   adds them into its shard's gradient.
+- schedule=2d: `row_embedding` (replicated) and `row_sharded_embedding` (row-sharded, the
+  owner's lookup and the rows' way back in one op) settle their table before reading it;
+  their backward, `post_row_grads`, hands the coalesced row gradients to the runtime's row
+  schedule (`runtime/row_schedule.py`), which exchanges them into the next step.
 
 Group names and sizes are literals (the same on every rank); a rank's own offset is read
 at run time from the scheduler, so graphs stay rank-independent.
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from ..kernels.embedding import accumulate_rows, coalesce_rows
 from .comm import all_to_all_setup
 from ..runtime.comm import current_scheduler
+from ..runtime.row_schedule import RowSchedule, row_schedule_of
 
 KIND = "embedding_all_to_all"  # what the scheduler counts embedding bytes under
 
@@ -233,3 +238,96 @@ def _mask_backward(ctx, grad):
 
 
 mask_padding_grad.register_autograd(_mask_backward, setup_context=_mask_setup)
+
+
+# ------------------------------------------- schedule=2d: row gradients into the next step
+# The lookups settle their table first (its rows from the last backward, and the optimizer
+# step it missed: runtime/row_schedule.py); their backward posts the row gradients.
+
+
+def _settle(table: str) -> None:
+    rows = row_schedule_of(current_scheduler())
+    if rows is not None and rows.pending:
+        rows.settle(table)
+
+
+@torch.library.custom_op("commfx::row_embedding", mutates_args=())
+def row_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, table: str, group: str, parts: int, scale: float) -> torch.Tensor:
+    """weight[ids] of a replicated table after settling it; backward: `post_row_grads`."""
+    _settle(table)
+    return F.embedding(ids, weight, _padding(padding_idx))
+
+
+@row_embedding.register_fake
+def _(weight, ids, padding_idx, table, group, parts, scale):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("commfx::row_sharded_embedding", mutates_args=())
+def row_sharded_embedding(
+    weight: torch.Tensor, local: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, send_counts: torch.Tensor,
+    recv_counts: torch.Tensor, padding_idx: int, table: str, group: str, parts: int, scale: float,
+) -> torch.Tensor:
+    """A row-sharded table's lookup after settling this rank's shard: the owner looks up the
+    rows it was asked for (`local`), sends them back, and they are read by token (`inverse`).
+    Backward: `post_row_grads` (the token gradients of `ids`, coalesced, to their owners)."""
+    _settle(table)
+    served = F.embedding(local, weight)
+    back = current_scheduler().all_to_all(served.contiguous(), recv_counts.tolist(), send_counts.tolist(), group, "a2a", f"{table} rows", KIND)
+    return F.embedding(inverse, back)
+
+
+@row_sharded_embedding.register_fake
+def _(weight, local, inverse, ids, send_counts, recv_counts, padding_idx, table, group, parts, scale):
+    return weight.new_empty((*inverse.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("commfx::post_row_grads", mutates_args=())
+def post_row_grads(
+    grad: torch.Tensor, ids: torch.Tensor, local_rows: int, padding_idx: int, table: str, layout: str, group: str, parts: int, scale: float
+) -> torch.Tensor:
+    """The table's gradient from its token gradients: coalesced per id and exchanged (layout
+    "sparse": to every rank; "shard": to each row's owner), times `scale`. Once the module
+    has an optimizer the exchange runs into the next step and this returns zeros (the
+    runtime settles the table before its next lookup)."""
+    scheduler = current_scheduler()
+    rows = row_schedule_of(scheduler)
+    if rows is None:
+        rows = RowSchedule(scheduler, {})
+    return rows.post(table, grad, ids, local_rows, padding_idx, layout, group, scale)
+
+
+@post_row_grads.register_fake
+def _(grad, ids, local_rows, padding_idx, table, layout, group, parts, scale):
+    return grad.new_empty((local_rows, grad.shape[-1]))
+
+
+def _row_setup(ctx, inputs, output):
+    weight, ids = inputs[0], inputs[1]
+    ctx.save_for_backward(ids)
+    ctx.args = (weight.shape[0], *inputs[2:4], "sparse", *inputs[4:])
+
+
+def _row_backward(ctx, grad):
+    (ids,) = ctx.saved_tensors
+    local_rows, padding_idx, table, layout, group, parts, scale = ctx.args
+    return post_row_grads(grad.contiguous(), ids, local_rows, padding_idx, table, layout, group, parts, scale), None, None, None, None, None, None
+
+
+row_embedding.register_autograd(_row_backward, setup_context=_row_setup)
+
+
+def _row_sharded_setup(ctx, inputs, output):
+    weight, ids = inputs[0], inputs[3]
+    ctx.save_for_backward(ids)
+    ctx.args = (weight.shape[0], inputs[6], inputs[7], "shard", *inputs[8:])
+
+
+def _row_sharded_backward(ctx, grad):
+    (ids,) = ctx.saved_tensors
+    local_rows, padding_idx, table, layout, group, parts, scale = ctx.args
+    grad_weight = post_row_grads(grad.contiguous(), ids, local_rows, padding_idx, table, layout, group, parts, scale)
+    return grad_weight, *([None] * 10)
+
+
+row_sharded_embedding.register_autograd(_row_sharded_backward, setup_context=_row_sharded_setup)

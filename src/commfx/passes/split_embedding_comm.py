@@ -15,6 +15,12 @@ never all-reduced; `head=auto` picks by the same cost model, `head=dense` keeps 
 plan's link figures (`strategy=auto`), and the lookup's dump comment shows the numbers.
 Gradients stay what dense data parallelism computes (sum over ranks, times the plan's
 scale), so SGD, Adam and AdamW as torch defines them give the same parameters.
+
+`schedule=2d` (EmbRace's 2D communication scheduling) takes the sparse and sharded tables'
+row-gradient exchange off the critical path: the backward posts the coalesced rows to the
+runtime (`runtime/row_schedule.py`), which sends them through the next step's forward, the
+rows the next batch reads first, and steps each table just before its next lookup.
+`schedule=step` (the default) exchanges them inside the backward.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ PASS = "split_embedding_comm"
 SHARD_GROUP, SHARD_REPLICAS = "ep", "edp"  # row shards use the ep blocks, like expert shards
 SHARD_SPEC = {"dim": 0, "group": SHARD_GROUP, "replicated_over": SHARD_REPLICAS}
 EMBED_PRIORITY = "a2a"
+SCHEDULES = ("step", "2d")
 
 
 PIPELINE_REFUSED = "its embedding exchange spans every rank, but only the first and last pipeline stages hold embeddings and head; use it with --pp 1"
@@ -59,6 +66,7 @@ class SplitEmbeddingComm(Pass):
         # shards them, so row sharding is unavailable and auto picks sparse or dense.
         shard_in_graph: bool = False
         head: str = "auto"  # auto | shard | dense: the LM head (see lift_heads), split over the vocabulary or not
+        schedule: str = "step"  # step | 2d: row gradients exchanged in the backward, or into the next forward
 
     @classmethod
     def check_plan(cls, plan: Plan, options: Options, model) -> None:
@@ -66,6 +74,13 @@ class SplitEmbeddingComm(Pass):
             raise PlanError(f"split_embedding_comm strategy must be auto, {', '.join(STRATEGIES)}; got {options.strategy!r}")
         if options.head not in ("auto", "shard", "dense"):
             raise PlanError(f"split_embedding_comm head must be auto, shard or dense; got {options.head!r}")
+        if options.schedule not in SCHEDULES:
+            raise PlanError(f"split_embedding_comm schedule must be {' or '.join(SCHEDULES)}; got {options.schedule!r}")
+        if options.schedule == "2d" and options.shard_in_graph:
+            raise PlanError(
+                "split_embedding_comm schedule=2d needs commfx.distribute (its runtime steps each table before the next "
+                "lookup, which needs dm.attach_optimizer); under torch.compile's commfx backend use schedule=step"
+            )
         if options.head == "shard" and options.shard_in_graph:
             raise PlanError(
                 "split_embedding_comm head=shard needs commfx.distribute (each rank holds a block of the head's rows); "
@@ -131,16 +146,27 @@ class SplitEmbeddingComm(Pass):
             pick, reason = _decide(table, estimates, options, table.weight in chosen)
             decisions[table.weight] = {"strategy": pick, "reason": reason, "estimates": {k: dataclasses.asdict(e) for k, e in estimates.items()}}
             purpose = f"{table.weight}: {pick} ({reason}); per rank and step: " + ", ".join(e.describe() for e in estimates.values())
+            later = options.schedule == "2d" and pick != "dense"
+            if later and pick == "shard" and plan.topology.world_size // parts > 1:
+                raise PassError(
+                    f"split_embedding_comm schedule=2d with row-sharded {table.weight}: its shards are replicated over "
+                    f"{plan.topology.world_size // parts} ep groups (ep={parts} < world {plan.topology.world_size}), whose "
+                    "gradient all-reduce the row schedule does not do; use strategy=sparse, ep = world, or schedule=step"
+                )
+            if later:
+                purpose += "; schedule=2d: row gradients exchanged into the next forward, its rows first"
             for lookup in list(table.lookups):
-                if pick == "sparse":
+                if pick == "sparse" and later:
+                    _replicated_2d(program, lookup, table, plan, purpose)
+                elif pick == "sparse":
                     _replicated_sparse(program, lookup, plan, purpose)
                 elif pick == "shard":
-                    _row_sharded(rw, lookup, table, parts, purpose)
+                    _row_sharded(rw, lookup, table, parts, purpose, plan.grad_scale_for(SHARD_REPLICAS) if later else None)
                 else:
                     stamp(lookup, PASS, purpose)
-            if pick == "sparse":
+            if pick == "sparse" or later:
                 program.runtime.reduced_in_graph.append(table.weight)
-            elif pick == "shard":
+            if pick == "shard":
                 program.runtime.shards[table.weight] = SHARD_SPEC | {"parts": parts}
             changed = changed or pick != "dense"
         changed = self._split_heads(rw, program, options, plan, tokens, decisions) or changed
@@ -198,8 +224,17 @@ def _replicated_sparse(program: Program, lookup: fx.Node, plan: Plan, purpose: s
     stamp(lookup, PASS, purpose)
 
 
-def _row_sharded(rw: Rewriter, lookup: fx.Node, table: EmbeddingTable, parts: int, purpose: str) -> None:
-    """weight[ids] -> route, ids to owners, owners' lookup, rows back, rows by token."""
+def _replicated_2d(program: Program, lookup: fx.Node, table: EmbeddingTable, plan: Plan, purpose: str) -> None:
+    weight, ids, padding = lookup.args
+    lookup.target = commfx.row_embedding.default
+    lookup.args = (weight, ids, padding, table.weight, "world", plan.topology.world_size, plan.grad_scale)
+    stamp(lookup, PASS, purpose)
+
+
+def _row_sharded(rw: Rewriter, lookup: fx.Node, table: EmbeddingTable, parts: int, purpose: str, scale: float | None = None) -> None:
+    """weight[ids] -> route, ids to owners, owners' lookup, rows back, rows by token. With
+    `scale` (schedule=2d) the last three are one `row_sharded_embedding`, whose backward
+    posts the row gradients to the runtime (times `scale`)."""
     weight, ids, padding = lookup.args
     rows_per_part = table.num_rows // parts
     make = rw.maker(lookup)
@@ -212,6 +247,17 @@ def _row_sharded(rw: Rewriter, lookup: fx.Node, table: EmbeddingTable, parts: in
         recv = make(commfx.embedding_counts.default, (send, SHARD_GROUP, EMBED_PRIORITY), "ids each owner serves")
         asked = make(commfx.embedding_all_to_all.default, (unique, send, recv, SHARD_GROUP, EMBED_PRIORITY, f"{tag} ids"), "ids to owners")
         local = make(commfx.local_rows.default, (asked, rows_per_part, SHARD_GROUP), "owner's row numbers")
+        if scale is not None:
+            out = make(
+                commfx.row_sharded_embedding.default,
+                (weight, local, inverse, ids, send, recv, padding, tag, SHARD_GROUP, parts, scale),
+                "owner settles its shard, looks its rows up, rows back by token (backward: row gradients posted)",
+            )
+    if scale is not None:
+        stamp(route, PASS, purpose)
+        rw.replace(lookup, out)
+        return
+    with rw.before(lookup):
         served = make(commfx.embedding.default, (weight, local, -1), "owner looks its rows up (backward: adds row gradients)")
         back = make(
             commfx.embedding_all_to_all.default, (served, recv, send, SHARD_GROUP, EMBED_PRIORITY, f"{tag} rows"),

@@ -20,12 +20,47 @@ import torch
 
 from .grad_sync import GradientSync
 
+_CATCHING_UP: set[int] = set()  # id() of optimizers inside a catch-up step (step_only)
+
+
+def catching_up(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is inside a catch-up `step_only` (step hooks of training steps
+    should ignore it: it is not a new step)."""
+    return id(optimizer) in _CATCHING_UP
+
+
+def step_only(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], hyperparameters: list[dict]) -> None:
+    """optimizer.step() over `params` alone, with the hyperparameters (per param group) of
+    the step they missed; the other parameters' gradients are set aside meanwhile."""
+    chosen = {id(p) for p in params}
+    current, others = [], {}
+    for group, then in zip(optimizer.param_groups, hyperparameters):
+        current.append({k: group[k] for k in then})
+        group.update(then)
+        for other in group["params"]:
+            if id(other) not in chosen and other.grad is not None:
+                others[other] = other.grad
+                other.grad = None
+    _CATCHING_UP.add(id(optimizer))
+    try:
+        optimizer.step()
+    finally:
+        _CATCHING_UP.discard(id(optimizer))
+        for group, now in zip(optimizer.param_groups, current):
+            group.update(now)
+        for other, grad in others.items():
+            other.grad = grad
+
+
+def hyperparameters_of(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters now (an LR scheduler may change them after the step)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
 
 class DeferredStep:
     def __init__(self, grad_sync: GradientSync):
         self.sync = grad_sync
         self.optimizer: torch.optim.Optimizer | None = None
-        self.stepping = False  # inside our own optimizer.step() (other step hooks should ignore it)
         self.caught_up = 0  # parameters stepped after their optimizer step, so far (for tests and reports)
         self.ordered = False  # the urgent buckets are chosen (at the first forward)
         self._missed: dict[int, tuple[list[dict], torch.Tensor | None]] = {}  # slot -> (hyperparameters, grad set aside)
@@ -39,6 +74,11 @@ class DeferredStep:
     def pending(self) -> bool:
         return self.sync.pending
 
+    @property
+    def stepping(self) -> bool:
+        """Inside a catch-up step (other step hooks should ignore it)."""
+        return self.optimizer is not None and catching_up(self.optimizer)
+
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Defer from now on: `optimizer`'s steps skip, then catch up, deferred parameters."""
         self.optimizer = optimizer
@@ -47,9 +87,9 @@ class DeferredStep:
         optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        if self.stepping or not self.sync.pending:
+        if catching_up(optimizer) or not self.sync.pending:
             return
-        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        hyperparameters = hyperparameters_of(optimizer)
         for slot in self.sync.in_flight:
             if slot in self._missed:
                 raise RuntimeError("optimizer.step() twice while a gradient was still on the wire; call synchronize() between")
@@ -77,22 +117,4 @@ class DeferredStep:
                 param.grad = None  # stepped: the next backward starts it afresh
 
     def _step_only(self, params: list[torch.nn.Parameter], hyperparameters: list[dict]) -> None:
-        """optimizer.step() over `params` alone, with the hyperparameters of the step they missed."""
-        optimizer, chosen = self.optimizer, {id(p) for p in params}
-        current, others = [], {}
-        for group, then in zip(optimizer.param_groups, hyperparameters):
-            current.append({k: group[k] for k in then})
-            group.update(then)
-            for other in group["params"]:
-                if id(other) not in chosen and other.grad is not None:
-                    others[other] = other.grad
-                    other.grad = None
-        self.stepping = True
-        try:
-            optimizer.step()
-        finally:
-            self.stepping = False
-            for group, now in zip(optimizer.param_groups, current):
-                group.update(now)
-            for other, grad in others.items():
-                other.grad = grad
+        step_only(self.optimizer, params, hyperparameters)

@@ -32,6 +32,7 @@ COMM_OPS = frozenset({
     "all_to_all", "exchange_counts", "all_to_all_start", "wait_tensor", "all_reduce",
     "exchange_row_grads", "embedding_counts", "embedding_all_to_all",
     "vocab_parallel_loss", "vocab_parallel_loss_backward",
+    "row_embedding", "row_sharded_embedding", "post_row_grads",  # schedule=2d: the runtime settles and posts rows there
 })
 _UNTIMED = {"placeholder", "output", "get_attr"}
 REGION_REPORT = "commfx_regions"  # gm.meta: what compiling the graph's regions did (compiler.compile_regions)

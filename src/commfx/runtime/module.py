@@ -30,9 +30,10 @@ from torch.utils import _pytree as pytree
 from ..plan import Plan
 from .comm import CommScheduler, install_default
 from .expert_placement import Decision, placements_of, replace_experts
-from .deferred_step import DeferredStep
+from .deferred_step import DeferredStep, catching_up
 from .executor import REGION_REPORT, BackwardExecutor, ForwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
+from .row_schedule import ROW_OPS, ROW_SCHEDULE, RowSchedule, hoist_row_posts
 from .semi import make_controller
 from .state_shards import ShardedGradSync
 from .trace import Timeline
@@ -97,6 +98,8 @@ class DistributedModule(torch.nn.Module):
         self.grad_sync = configure_comm(program, plan, scheduler, self.module.named_parameters(remove_duplicate=False))
         # defer_grad_sync: the all-reduce runs on into the next forward once an optimizer is attached
         self.deferred = DeferredStep(self.grad_sync) if program.runtime.grad_sync == "next_forward" else None
+        # split_embedding_comm:schedule=2d: embedding row gradients exchanged into the next forward
+        self.rows = scheduler.op_state[ROW_SCHEDULE] = RowSchedule(scheduler, dict(self.module.named_parameters()), self.module)
         if getattr(self.grad_sync, "params", None) is not None:  # shard_states stage 3: load into whole parameters, then cut shards
             self.register_load_state_dict_pre_hook(lambda *_: self.synchronize())
             self.register_load_state_dict_post_hook(lambda *_: self.grad_sync.params.refresh_shards())
@@ -256,6 +259,7 @@ class DistributedModule(torch.nn.Module):
 
         def backward(gm):
             self.region_reports.append(("backward", gm.meta.get(REGION_REPORT)))
+            hoist_row_posts(gm)
 
             def run(*args):
                 if self.deferred is not None:
@@ -268,6 +272,8 @@ class DistributedModule(torch.nn.Module):
             return run
 
         def hooks(gm, phase):
+            if phase == "backward":
+                hoist_row_posts(gm)  # before the regions are cut, so a region ends where rows are posted
             return region_hooks(gm, phase, captured.grad_sync, self.scheduler, deferred=self.deferred is not None, gathered=gather is not None)
 
         compile_args = {"forward": forward, "backward": backward, "compute": self.plan.compute, "hooks": hooks}
@@ -291,9 +297,19 @@ class DistributedModule(torch.nn.Module):
         shard_states:stage=3 it all-gathers every parameter, whole until the next step."""
         if self.deferred is not None:
             self.deferred.settle()
+        self.rows.settle()
         gather = getattr(self.grad_sync, "params", None)
         if gather is not None:
             gather.gather_all()
+
+    def next_batch(self, *args: torch.Tensor, **kwargs: Any) -> None:
+        """The next call's inputs, a batch ahead (call it before this step's backward, on every
+        rank): under split_embedding_comm:schedule=2d the embedding rows that batch reads are
+        exchanged first and each rank's next lookup waits only behind them. Without it every
+        row is exchanged as urgent; it changes no value either way."""
+        bound = bind_call(self.program, args, kwargs) if self.program.input_names else dict(enumerate(args))
+        names = self.program.input_names or list(bound)
+        self.rows.set_next_batch(tuple(bound[n] for n in names))
 
     # -- expert placement (pack_experts) -------------------------------------------------
 
@@ -308,6 +324,8 @@ class DistributedModule(torch.nn.Module):
             )
         if self.deferred is not None:
             self.deferred.attach(optimizer)
+        if self._has_row_ops():
+            self.rows.attach(optimizer)  # schedule=2d tables: stepped when their rows are in
         if self.straggler is not None:  # resize_tp: migrated units move their optimizer state with them
             self.straggler.attach_optimizer(optimizer)
         every = max((spec["replace_every"] for spec in self.packing.values()), default=0)
@@ -315,8 +333,8 @@ class DistributedModule(torch.nn.Module):
             return
 
         def after_step(opt, args, kwargs):
-            if self.deferred is not None and self.deferred.stepping:
-                return  # a deferred parameter's catch-up, not a training step
+            if catching_up(opt):
+                return  # a deferred parameter's or table's catch-up, not a training step
             if self.scheduler.local_only:
                 return  # commfx bench's compute-only replay: no real statistics, no real moves
             self.optimizer_steps += 1
@@ -324,6 +342,10 @@ class DistributedModule(torch.nn.Module):
                 self.replace_experts(opt)
 
         optimizer.register_step_post_hook(after_step)
+
+    def _has_row_ops(self) -> bool:
+        return any(n.op == "call_function" and getattr(n.target, "namespace", None) == "commfx" and n.target._opname in ROW_OPS
+                   for n in self.module.graph.nodes)
 
     def replace_experts(self, optimizer: torch.optim.Optimizer | None = None) -> list[Decision]:
         """Re-place every packed layer's experts now from the all-reduced routing statistics
