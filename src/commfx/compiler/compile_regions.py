@@ -61,6 +61,7 @@ class RegionReport:
 
     sizes: list[int] = field(default_factory=list)
     interpreted: int = 0  # regions left interpreted (trivial or not compilable)
+    failed_nodes: int = 0  # nodes of the regions Inductor could not compile (see notes)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -180,6 +181,7 @@ def _compile_each(gm: fx.GraphModule, regions: list[list[fx.Node]], phase: str, 
             module = _compile_region(nodes, inputs, outputs, is_backward)
         except Exception as error:  # noqa: BLE001  (any Inductor failure: the region stays interpreted)
             report.interpreted += 1
+            report.failed_nodes += len(nodes)
             _log.debug("region %d of the %s graph stays interpreted", index, phase, exc_info=True)
             report.notes.append(f"region {index} ({len(nodes)} nodes) stays interpreted: {type(error).__name__}: {_first_line(error)}")
             continue
