@@ -285,3 +285,27 @@ def test_a_graph_break_between_router_and_experts_is_named_once_under_torchrun(t
     message = f"error: lift: a graph break at {script}:10 in forward, between the router and the experts at"
     assert out.count(message) == 1 and "(raised inside BackendCompilerFailed)" in out, out[-3000:]
     assert "rank 1 stopped: PassError (rank 0 prints it)" in out and "cannot find the top-k" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("flags, environment, expected", [
+    ([], None, "interpret"), (["--compute", "inductor"], None, "inductor"), ([], "inductor", "inductor"),
+])
+def test_verify_checks_the_rewrite_by_interpreting_unless_told(monkeypatch, flags, environment, expected):
+    """Inductor's kernels differ from eager's in the last bits of a model's float32 islands (HF
+    rotary embeddings), which a 1e-10 comparison would blame on the rewrite."""
+    import commfx.verify
+
+    class Seen(BaseException):  # past the command's own error handling
+        pass
+
+    def capture(cases, *args, **kwargs):
+        raise Seen(cases[0].plan.compute)
+
+    if environment is None:
+        monkeypatch.delenv("COMMFX_COMPUTE", raising=False)
+    else:
+        monkeypatch.setenv("COMMFX_COMPUTE", environment)
+    monkeypatch.setattr(commfx.verify, "verify", capture)
+    with pytest.raises(Seen) as seen:
+        main(["verify", "gpt-moe-tiny", "--world-size", "2", *flags])
+    assert str(seen.value) == expected
