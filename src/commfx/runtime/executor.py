@@ -11,7 +11,10 @@ executor runs it like any node, and the hooks above see each output as its own v
 ForwardExecutor settles a parameter whose update was deferred (defer_grad_sync) just before
 the first node that uses it; under shard_states stage 3 (`params`) every executor gathers a
 parameter bucket before its first reader and frees it after its last.
-The comm scheduler is active for the whole run, so comm ops find it.
+The comm scheduler is active for the whole run, so comm ops find it. A run with no per-node
+work (no trace, no straggler, no parameter to settle or gather, no gradient bucket that
+communicates) runs the graph's generated code instead (`needs_nodes`), which costs about a
+microsecond a node instead of tens.
 """
 
 from __future__ import annotations
@@ -57,7 +60,10 @@ class GraphExecutor(fx.Interpreter):
 
     def run(self, *args):
         with active(self.scheduler):
-            if self.params is None:
+            if self.params is None and not self.needs_nodes():
+                out = self.module(*args)  # the graph's own generated code: no per-node work to do
+                self.after_direct_run(out)
+            elif self.params is None:
                 out = super().run(*args)
             else:
                 self.params.begin(args)
@@ -91,6 +97,16 @@ class GraphExecutor(fx.Interpreter):
             self.params.after(node)
         return value
 
+    def needs_nodes(self) -> bool:
+        """Whether this run needs the executor at each node (a trace, an emulated straggler,
+        an override of the per-node methods); if not, the graph runs as its generated code."""
+        cls = type(self)
+        overridden = GraphExecutor.run_node is not _RUN_NODE or cls.call_collective is not GraphExecutor.call_collective
+        return overridden or self.timeline is not None or self.scheduler.slowdown > 1.0 or self.scheduler.slow_debt_s > 0
+
+    def after_direct_run(self, out) -> None:
+        """Called with the outputs of a run that skipped the per-node methods."""
+
     def call_collective(self, node: fx.Node, args, kwargs):
         """Issue a communication node (override to time, trace or reorder it)."""
         return node.target(*args, **kwargs)
@@ -99,6 +115,7 @@ class GraphExecutor(fx.Interpreter):
         """Called with every node's value as soon as it exists."""
 
 
+_RUN_NODE = GraphExecutor.run_node
 SLEEP_SLICE_S = 1e-3  # a sleep costs tens of microseconds: owe small delays, pay them in slices
 
 
@@ -134,6 +151,9 @@ class ForwardExecutor(GraphExecutor):
             nodes = {n: i for i, n in enumerate(gm.graph.nodes)}
             deferred.order({slot: nodes[n] / len(nodes) for n, slots in self._first_use.items() for slot in slots})
 
+    def needs_nodes(self) -> bool:
+        return self.deferred.pending or super().needs_nodes()
+
     def run_node(self, node: fx.Node):
         slots = self._first_use.get(node)
         if slots and self.deferred.pending:
@@ -163,6 +183,7 @@ class BackwardExecutor(GraphExecutor):
     def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, grad_sync: GradientSync, **kwargs):
         super().__init__(gm, scheduler, phase="backward", **kwargs)
         self.grad_sync = grad_sync
+        self._communicates = any(scheduler.group(b.group).size > 1 for b in getattr(grad_sync, "buckets", ()))
         outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
         self._slots: dict[fx.Node, list[int]] = {}
         for slot, value in enumerate(outputs[: grad_sync.num_slots]):
@@ -171,6 +192,14 @@ class BackwardExecutor(GraphExecutor):
 
     def on_value(self, node: fx.Node, value) -> None:
         for slot in self._slots.get(node, ()):
+            self.grad_sync.ready(slot, value)
+
+    def needs_nodes(self) -> bool:
+        """A bucket whose all-reduce communicates starts during backward, at its last gradient."""
+        return self._communicates or super().needs_nodes()
+
+    def after_direct_run(self, out) -> None:
+        for slot, value in enumerate(out[: self.grad_sync.num_slots]):
             self.grad_sync.ready(slot, value)
 
     def run(self, *args):
