@@ -29,6 +29,7 @@ def test_bench_times_the_eager_and_compiled_model_beside_a_plan_at_world_1(tmp_p
         assert plans[label]["bytes_per_step"] == {} and plans[label]["peer_payload_bytes_per_step"] is None
     # Compiling happened before timing: it took longer than any timed step of the compiled model.
     [note] = [line for line in plans["compile"]["choices"] if line.startswith("torch.compile(model")]
+    assert "1 experts modules run eagerly (experts=eager)" in note  # gpt-moe-tiny's one MoE layer: dynamo traces the rest
     compile_s = float(re.search(r"took ([0-9.]+) s", note).group(1))
     assert max(plans["compile"]["wall"]["samples_s"]) < compile_s, note
     # The plan's wall over each peer's, round by round, summarised by the median of those ratios.
@@ -54,3 +55,15 @@ def test_refusals_come_before_any_rank(vs, ranks, message, capsys):
             "--vs", vs]
     assert main(argv) == 2
     assert message in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_check_keeps_a_prefix_of_token_ids_and_any_other_batch_whole():
+    import torch
+
+    from commfx.bench.peers.eager import CHECK_TOKENS, first_tokens
+
+    ids, mask = torch.randint(0, 9, (2, CHECK_TOKENS + 5)), torch.ones(2, CHECK_TOKENS + 5, dtype=torch.long)
+    cut = first_tokens({"input_ids": ids, "attention_mask": mask})
+    assert torch.equal(cut["input_ids"], ids[:, :CHECK_TOKENS]) and cut["attention_mask"].shape == (2, CHECK_TOKENS)
+    features = (torch.randn(2, CHECK_TOKENS + 5),)
+    assert first_tokens(features)[0] is features[0]

@@ -83,10 +83,27 @@ class EagerPeer:
         return []
 
 
+CHECK_TOKENS = 32  # tokens per row the float64 check keeps of a batch of token ids
+
+
+def first_tokens(inputs, tokens: int = CHECK_TOKENS):
+    """A batch of token ids (every tensor 2-D integer, one shape) cut to its first `tokens`
+    columns; any other batch as it is. A causal model computes the same function on a prefix,
+    and the float64 reference's experts (HF's `batched_mm`: a copy of an expert's weights per
+    routed token) need memory in proportion to the tokens."""
+    from torch.utils import _pytree as pytree
+
+    leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    ids = leaves and all(t.dim() == 2 and not t.is_floating_point() and t.shape == leaves[0].shape for t in leaves)
+    return pytree.tree_map(lambda t: t[:, :tokens] if isinstance(t, torch.Tensor) else t, inputs) if ids else inputs
+
+
 def check_single(peer_class, model: nn.Module, global_inputs, *, lr: float, dtype: torch.dtype | None, **options) -> PeerCheck:
-    """`peer_class` on the whole batch against the single-process model's step, in `dtype`:
-    outputs, loss, gradients and the AdamW step (a process group of one rank must exist)."""
+    """`peer_class` on the batch (token ids cut to their first CHECK_TOKENS) against the
+    single-process model's step, in `dtype`: outputs, loss, gradients and the AdamW step (a
+    process group of one rank must exist)."""
     single_process(peer_class.name, _world_size())
+    global_inputs = first_tokens(global_inputs)
     check_, _ = check_data_parallel(peer_class.name, peer_class.tolerance, peer_class.tolerance_reason, model,
                                     global_inputs, lr, dtype,
                                     lambda reference, inputs: peer_class(reference, inputs, ep_size=1, lr=lr, **options))
