@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from .common import CommRecord, PeerCheck, PeerUnsupported, check_data_parallel, fastest_eager_experts, loss_and_backward
+from .common import CommRecord, PeerCheck, PeerUnsupported, fastest_eager_experts, loss_and_backward
 
 NAME = "eager"
 TOLERANCE = 1e-10  # float64; the experts' eager implementation sums in its own order
@@ -100,13 +100,37 @@ def first_tokens(inputs, tokens: int = CHECK_TOKENS):
 
 def check_single(peer_class, model: nn.Module, global_inputs, *, lr: float, dtype: torch.dtype | None, **options) -> PeerCheck:
     """`peer_class` on the batch (token ids cut to their first CHECK_TOKENS) against the
-    single-process model's step, in `dtype`: outputs, loss, gradients and the AdamW step (a
-    process group of one rank must exist)."""
+    single-process model's step, in `dtype` (a process group of one rank must exist): outputs,
+    loss and gradients at the peer's tolerance; its AdamW step against the model's initial
+    parameters stepped by torch's AdamW from the peer's gradients, exactly."""
+    from ...models.hf import choose_experts_implementation, training_forward
+    from ...train import loss_fn
+    from ...verify import batch_tensors, call
+    from .common import reference_step, relative_diff, score_forward, worst_over_ranks
+
     single_process(peer_class.name, _world_size())
-    global_inputs = first_tokens(global_inputs)
-    check_, _ = check_data_parallel(peer_class.name, peer_class.tolerance, peer_class.tolerance_reason, model,
-                                    global_inputs, lr, dtype,
-                                    lambda reference, inputs: peer_class(reference, inputs, ep_size=1, lr=lr, **options))
+    inputs = first_tokens(global_inputs)
+    reference = copy.deepcopy(model).to(dtype) if dtype is not None else copy.deepcopy(model)
+    choose_experts_implementation(reference)
+    peer = peer_class(reference, inputs, ep_size=1, lr=lr, **options)
+    ref = reference_step(reference, inputs, lr)
+    peer.optimizer.zero_grad(set_to_none=True)
+    with training_forward(peer.module):
+        out = call(peer.called, inputs)
+    loss = loss_fn(out, batch_tensors(inputs))
+    loss.backward()
+    check_ = PeerCheck(peer_class.name, peer_class.tolerance, peer_class.tolerance_reason, step_tolerance=1e-10)
+    score_forward(check_, out, loss, ref)
+    named = dict(peer.module.named_parameters())
+    check_.grad_diffs = {n: relative_diff(p.grad, ref.grads[n]) for n, p in named.items()}
+    stepped = {n: nn.Parameter(ref.initial[n].clone()) for n in named}
+    for n, p in stepped.items():
+        p.grad = named[n].grad.detach().clone()
+    torch.optim.AdamW(stepped.values(), lr=lr).step()
+    peer.optimizer.step()
+    check_.step_diffs = {n: relative_diff(p, stepped[n]) for n, p in named.items()}
+    check_.model_step_diffs = {n: relative_diff(p, ref.stepped[n]) for n, p in named.items()}
+    worst_over_ranks(check_)
     return check_
 
 

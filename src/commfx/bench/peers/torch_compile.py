@@ -1,7 +1,9 @@
 """Peer `compile`: the plain model under `torch.compile(model)` (dynamo and Inductor, the
 default backend) in one process, trained with torch's (uncompiled) AdamW on the whole batch:
 the torch.compile column of a compute table at world 1 (issue 42). Checked in float64 against
-the single-process model; Inductor fuses and reorders the same sums.
+the single-process model, at float32's resolution: where a model casts to float32 itself (HF's
+RMSNorm and rotary embedding do), eager rounds and Inductor's fused kernels do not. The optimizer
+step from the peer's gradients is judged exactly.
 
 The model is compiled when the runner is built, by one forward and backward whose gradients are
 dropped (the parameters are untouched), so no timed step compiles; how long that took is
@@ -30,8 +32,9 @@ from .eager import EagerPeer, check_single, single_process
 NAME = "compile"
 OPTIONS = {"mode": "default", "experts": "eager"}  # mode: torch.compile's ("default" passes none); experts: see above
 EXPERTS = ("eager", "traced")
-TOLERANCE = 1e-10  # float64, Inductor's fused kernels summing in their own order
-TOLERANCE_REASON = "float64; Inductor fuses and reorders the same sums"
+TOLERANCE = 64 * torch.finfo(torch.float32).eps
+TOLERANCE_REASON = ("float64, but a model's own float32 casts (HF's RMSNorm and rotary embedding compute in float32) "
+                    "are rounded in eager and skipped inside Inductor's fused kernels")
 
 
 def _mode(mode: str) -> str | None:
