@@ -5,7 +5,7 @@ eager PyTorch and torch.compile (Inductor) of the plain model (issue 42, item 3)
     .venv/bin/python benchmarks/compute_world1.py --models gpt-moe --rounds 13
 
 One process, one gloo rank; each variant trains its own copy of the same model with AdamW
-(`lift,expert_parallel` for commfx). The variants run in interleaved rounds (one step of each
+(`lift,expert_parallel` for commfx; HF's own loop over experts for eager and torch.compile). The variants run in interleaved rounds (one step of each
 per round), so load from other processes falls on all alike; the first `--warmup` rounds
 (compiling included) are dropped and the median of the rest is reported, with the median of
 the per-round ratios to torch.compile. Writes benchmarks/compute_world1.json.
@@ -39,17 +39,28 @@ MODELS = {"gpt-moe": ("gpt-moe", {}), "mixtral-256": ("hf:mixtral", MIXTRAL)}
 PASSES = "lift,expert_parallel"
 
 
+def _loop_experts(model) -> None:
+    """HF experts as transformers' loop over experts: batched_mm (what capture picks on the
+    CPU) copies the weights per token row, 18 GB at the Mixtral-shaped size."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+
+
 def _step_fn(name: str, spec: str, kwargs: dict):
     """(seconds it took to build, a function running one AdamW training step) for a variant."""
     model, inputs = load_model(spec, seed=0, **kwargs)
     start = time.perf_counter()
     if name.startswith("commfx"):
         plan = dataclasses.replace(Plan.from_cli(PASSES, world_size=1), compute=name.split("-", 1)[1])
-        run = commfx.distribute(model, plan, inputs)
+        # Captured on two sequences (the graph is batch-symbolic; the step lowers the full batch):
+        # capture runs the model once with HF's batched_mm experts, 18 GB at the full batch.
+        run = commfx.distribute(model, plan, tuple(t[:2] for t in inputs))
         params = list(run.parameters())
     elif name == "torch.compile":
+        _loop_experts(model)
         run, params = torch.compile(model), list(model.parameters())
     else:
+        _loop_experts(model)
         run, params = model, list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     if hasattr(run, "attach_optimizer"):
