@@ -51,6 +51,8 @@ INDICES = [[0, 1], [0, 2], [0, 3], [1, 2], [3, 1], [2, 0]]
 COUNTS = [4, 3, 3, 2]  # rows per expert of INDICES
 LOCAL_IDS = [[0, -1], [1, 0], [-1, -1], [2, 1], [0, 2]]  # 5 received rows, 3 local experts
 IDS = [[1, 4, 4, 7], [0, 9, 1, 2]]
+UNIQUE_IDS = [0, 1, 2, 4, 7, 9]  # IDS's rows, each once (a row-sharded table's owner on a world of one)
+INVERSE = [[1, 3, 3, 4], [0, 5, 1, 2]]  # where each of IDS sits in UNIQUE_IDS
 
 
 def _meta():
@@ -155,6 +157,13 @@ SAMPLES: dict[str, Sample] = {
     "embedding_all_to_all": Sample(lambda: (f64(5, H), i64([5]), i64([5]), "world", "a2a", "opcheck")),
     "local_rows": Sample(lambda: (i64(IDS), 10, "world"), ("test_autograd_registration",), NO_FLOAT_INPUT),
     "mask_padding_grad": Sample(lambda: (f64(2, 4, H), i64(IDS), 4)),
+    "row_embedding": Sample(lambda: (f64(10, H), i64(IDS), -1, "opcheck", "world", 1, 0.5)),
+    "row_sharded_embedding": Sample(
+        lambda: (f64(10, H), i64(UNIQUE_IDS), i64(INVERSE), i64(IDS), i64([len(UNIQUE_IDS)]), i64([len(UNIQUE_IDS)]), -1, "opcheck", "world", 1, 0.5)
+    ),
+    "post_row_grads": Sample(
+        lambda: (f64(2, 4, H, grad=False), i64(IDS), 10, -1, "opcheck", "sparse", "world", 1, 0.5), ("test_autograd_registration",), BACKWARD_OP
+    ),
     # ------------------------------------------------------------------ vocabulary-parallel head
     "vocab_parallel_loss": Sample(lambda: (f64(5, H), f64(7, H), i64([1, 6, -100, 3, 0]), -100, "mean", "world", 1, "a2a")),
     "vocab_parallel_loss_backward": Sample(_vocab_backward_args, ("test_autograd_registration",), BACKWARD_OP),
