@@ -136,7 +136,7 @@ def test_a_rank_without_rows_takes_part_and_contributes_nothing(spec):
 @pytest.mark.parametrize(
     "spec, passes, tp",
     [
-        ("hf:olmoe", "lift,expert_parallel,partition_a2a:k=2", 1),
+        pytest.param("hf:olmoe", "lift,expert_parallel,partition_a2a:k=2", 1, marks=pytest.mark.slow),
         pytest.param("hf:llama", "lift,tensor_parallel", 2, marks=pytest.mark.slow),
     ],
 )

@@ -60,6 +60,7 @@ def test_raw_hf_families_through_distribute_equal_the_model(families):
         assert all(diff <= 1e-10 for name, diff in report.grad_diffs.items() if name not in judged), family
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_real_bug_in_a_float32_region_still_fails():
     plan = Plan.from_cli("lift,expert_parallel", world_size=2)

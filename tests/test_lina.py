@@ -47,6 +47,7 @@ def test_partitioned_hf_mixtral_equals_reference():
     assert report.ok, (report.max_diff, report.grad_diffs)
 
 
+@pytest.mark.slow
 def test_random_delays_never_hang_or_change_the_result():
     sys.path.insert(0, TESTS)
     world, steps = 4, 4

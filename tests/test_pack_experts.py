@@ -169,6 +169,7 @@ def test_packed_expert_parallel_with_and_without_chunks_equals_the_model_at_worl
         assert report.ok, (case.plan, report.failures, report.max_diff)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_packing_sends_fewer_rows_than_plain_expert_parallel():
     from commfx.runtime.launcher import launch
