@@ -11,6 +11,7 @@ from ..plan import Plan
 from ..verify import preflight
 from .links import LinkSpec
 from .straggler import SlowRank
+from .stream import BATCH_MODES, BatchStream, model_vocabulary, wants_stream
 
 PEER_PREFIX = "peer:"
 
@@ -67,6 +68,9 @@ class BenchConfig:
     # Per node, the device whose counters are its inter-node link (set by run_bench once the
     # cluster exists; () without a link to count: one node, or plain localhost).
     link_devices: tuple[str, ...] = ()
+    # Every plan's batches: None, the model's example batch every step; else a new batch a
+    # step (--batches; by default for runs with split_embedding_comm, whose 2d schedule needs it).
+    stream: BatchStream | None = None
 
 
 def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_per_node: int, ep: int = 0, pp: int = 1,
@@ -76,7 +80,7 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
                  grad_bucket_bytes: int | None = None, collective_overhead_s: float | None = None,
                  collective_timeout_s: float | None = None, tp: int = 1, slow_rank: tuple[int, float] | None = None,
                  slow_method: str = "auto", healthy: tuple[str, ...] = (),
-                 plan_fields: dict[str, Any] | None = None) -> BenchConfig:
+                 plan_fields: dict[str, Any] | None = None, batches: str = "auto") -> BenchConfig:
     """Validate every plan against the model before any rank starts.
 
     Plans: the one under test ("plan"), the baseline (`vs`, "baseline") and any `also`
@@ -84,6 +88,8 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
     plan's topology, where cost models (partition_a2a k=auto) read them. `slow_rank`
     (rank, factor) makes that rank a straggler in every plan but the `healthy` ones.
     `plan_fields` (e.g. precision) are set on every commfx plan; peers run as they are.
+    `batches` (auto, stream, fixed): whether every plan gets a stream of batches
+    (:mod:`.stream`); auto streams when a plan has split_embedding_comm.
     """
     from ..models import load_model
     from .straggler import check_request
@@ -138,8 +144,28 @@ def build_config(model: str, passes: str, vs: str | None, *, nodes: int, ranks_p
             preflight(model_module, s.plan, inputs)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    stream = _stream(batches, specs, model_module, inputs, seed)
     return BenchConfig(model, kwargs, tuple(specs), nodes, ranks_per_node, steps=steps, warmup=warmup, lr=lr, seed=seed,
-                       slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy), steps_per_round=steps_per_round)
+                       slow_rank=slow_rank, slow_method=slow_method, healthy=tuple(healthy), steps_per_round=steps_per_round,
+                       stream=stream)
+
+
+def _stream(batches: str, specs: list[PlanSpec], model, inputs, seed: int) -> BatchStream | None:
+    """The run's stream of batches, or None (the example batch every step); every peer of a
+    streamed run must take a new batch each step."""
+    if batches not in BATCH_MODES:
+        raise ValueError(f"--batches must be {', '.join(BATCH_MODES)}; got {batches!r}")
+    if batches == "fixed" or batches == "auto" and not wants_stream([s.plan for s in specs if not s.peer]):
+        return None
+    from .peers import peer_module
+
+    fixed = [s.passes for s in specs if s.peer and getattr(peer_module(s.peer_parts[0]), "FIXED_BATCH", False)]
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)} runs one fixed batch, but this run streams batches (--batches {batches}: "
+                         "a new batch every step, for split_embedding_comm); compare with another peer or use --batches fixed")
+    stream = BatchStream(model_vocabulary(model), seed)
+    stream.batch(inputs, 0)  # a batch the model cannot take fails here, once
+    return stream
 
 
 def _peer_preflight(spec: PlanSpec, model, inputs) -> None:

@@ -142,6 +142,10 @@ def straggler_table(result: BenchResult):
 def render(result: BenchResult, console) -> None:
     """Print the tables and the paired ratio (what the interleaving buys)."""
     console.print(timing_table(result))
+    if result.batches is not None:
+        b = result.batches
+        console.print(f"batches: {b['source']}; {b['distinct_measured']} different in the measured steps"
+                      + ("" if b["same_for_every_plan"] else "; NOT the same for every plan"), markup=False)
     for p in result.plans:
         if p.peer_check:
             console.print(f"{p.label}: {p.peer_check}", markup=False)

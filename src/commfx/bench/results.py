@@ -173,6 +173,7 @@ class BenchResult:
     date: str = ""
     straggler: dict | None = None  # SlowRank.as_dict(): who was slow, by how much, how
     run: dict | None = None  # run_record.RunRecorder.finish(): commit, command, load, proportions
+    batches: dict | None = None  # what the plans trained on (`_batches`)
 
     @property
     def baseline(self) -> PlanResult | None:
@@ -226,7 +227,7 @@ class BenchResult:
             "paired_wall_ratio": self.paired_wall_ratio.as_dict() if self.paired_wall_ratio else None,
             "paired_wall_ratios": {label: t.as_dict() for label, t in self.paired_wall_ratios.items()},
             "calibration": self.calibration, "machine": self.machine, "date": self.date,
-            "straggler": self.straggler, "run": self.run,
+            "straggler": self.straggler, "run": self.run, "batches": self.batches,
         }
         return out
 
@@ -269,7 +270,20 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
         steps_per_round=config.steps_per_round, plans=plans, paired_wall_ratio=paired, paired_wall_ratios=paired_all,
         machine=machine_info(),
         date=_dt.date.today().isoformat(), straggler=config.slow.as_dict() if config.slow else None,
+        batches=_batches(rank_samples, config),
     )
+
+
+def _batches(rank_samples: list[dict], config: BenchConfig) -> dict:
+    """What the plans trained on: the stream (or the example batch), whether every plan on
+    every rank had the same global batch at each measured step (a fair comparison), and how
+    many different batches the measured steps saw."""
+    seen = [samples[spec.label].get("batches", []) for samples in rank_samples for spec in config.plans]
+    return {
+        "source": config.stream.describe() if config.stream is not None else "the model's example batch every step",
+        "same_for_every_plan": all(s == seen[0] for s in seen),
+        "distinct_measured": len({d for digests in seen[0] for d in digests}),
+    }
 
 
 def _cluster_times(per_rank_spans: list[list[tuple[float, float]]], kind: str) -> list[float]:

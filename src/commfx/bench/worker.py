@@ -14,6 +14,7 @@ from ..runtime.machine_probe import NOTE as MACHINE_NOTE
 from .config import BenchConfig, PlanSpec
 from .results import TIMING_KINDS
 from .straggler import RankSlowdown
+from .stream import digest
 from .wire import read_counters
 
 
@@ -32,6 +33,27 @@ class _Runner:
         self.samples["wire_device"] = self.link_device
         self.steps_per_round = config.steps_per_round
         self.messages = 0.0
+        self.stream = config.stream
+        self.rounds = 0  # rounds loaded so far: round r trains on the stream's steps r * steps_per_round, ...
+        self.batches: list = []  # this round's batches (this rank's shares), and the next step's after them
+        self.samples["batches"] = []  # per measured round: the digest of each step's global batch
+
+    def _share(self, batch):
+        """This rank's share of a global batch (`shares`: the (parts, index) the subclass set)."""
+        from ..verify import local_batch
+
+        return local_batch(batch, *self.shares)
+
+    def _load_round(self) -> list[int]:
+        """This round's batches and the one after them, made before any clock starts (a data
+        loader has the next batch ready); the digests of the round's global batches."""
+        if self.stream is None:
+            self.batches = [self.inputs] * (self.steps_per_round + 1)
+            return [self.example_digest] * self.steps_per_round
+        first = self.rounds * self.steps_per_round
+        batches = [self.stream.batch(self.example, first + i) for i in range(self.steps_per_round + 1)]
+        self.batches = [self._share(b) for b in batches]
+        return [digest(b) for b in batches[:-1]]
 
     def step(self) -> tuple[tuple[float, float], dict]:
         """A real training step; records its collectives, exact bytes and wire bytes for this round.
@@ -64,6 +86,8 @@ class _Runner:
     def round(self, keep: bool, slowdown: RankSlowdown, slowed: bool) -> None:
         """Run the three phases once (this rank slowed if it is the straggler and the plan is
         not a healthy reference); keep the samples unless this is warm-up."""
+        digests = self._load_round()
+        self.rounds += 1
         with slowdown.applied(self.scheduler, active=slowed):
             wall, nbytes = self.step()
             compute = self.compute_only()
@@ -75,6 +99,7 @@ class _Runner:
             self.samples["wire"].append(self.wire)
             self.samples["messages"].append(self.messages)
             self.samples["own_compute"].append(self.own_compute)
+            self.samples["batches"].append(digests)
 
     def decisions(self) -> list[str]:
         return []
@@ -99,7 +124,8 @@ class _PlanRunner(_Runner):
         from ..verify import data_share, local_batch
 
         model, inputs = load_model(config.model, seed=config.seed, **config.model_kwargs)
-        self.inputs = local_batch(inputs, *data_share(spec.plan, rank))  # a tuple, or a dict of keyword tensors
+        self.example, self.example_digest, self.shares = inputs, digest(inputs), data_share(spec.plan, rank)
+        self.inputs = local_batch(inputs, *self.shares)  # a tuple, or a dict of keyword tensors
         self.dm = distribute(model, spec.plan, self.inputs)
         self.pipelined = isinstance(self.dm, PipelineModule)
         self.scheduler = self.dm.scheduler
@@ -133,7 +159,9 @@ class _PlanRunner(_Runner):
         self.messages = self._crossing_messages() / self.steps_per_round
         return {kind: {k: v / self.steps_per_round for k, v in entry.items()} for kind, entry in self.scheduler.stats.as_dict().items()}
 
-    def _train_step(self) -> None:
+    def _train_step(self, inputs, next_inputs) -> None:
+        """One training step on `inputs`; before its backward the module is told the next
+        step's batch (`dm.next_batch`, as `commfx run` does: schedule=2d sends those rows first)."""
         from ..runtime.comm import install_default
         from ..train import loss_fn
         from ..verify import batch_tensors, call, pipeline_step
@@ -142,9 +170,11 @@ class _PlanRunner(_Runner):
         install_default(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipelined:
-            pipeline_step(self.dm, self.inputs, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs))
+            pipeline_step(self.dm, inputs, loss_fn=lambda outputs, mb: loss_fn(outputs, mb.inputs))
         else:
-            loss_fn(call(self.dm, self.inputs), batch_tensors(self.inputs)).backward()
+            loss = loss_fn(call(self.dm, inputs), batch_tensors(inputs))
+            call(self.dm.next_batch, next_inputs)
+            loss.backward()
         self.optimizer.step()
 
     def _crossing_messages(self) -> int:
@@ -163,8 +193,8 @@ class _PlanRunner(_Runner):
 
     def _train_steps(self) -> None:
         """`steps_per_round` training steps back to back, then every deferred gradient settled."""
-        for _ in range(self.steps_per_round):
-            self._train_step()
+        for index in range(self.steps_per_round):
+            self._train_step(self.batches[index], self.batches[index + 1])
         if not self.pipelined:
             self.dm.synchronize()
 
@@ -216,12 +246,14 @@ class _PlanRunner(_Runner):
         Writes this rank's trace file."""
         from ..runtime.trace import Timeline, rank_trace_path
 
+        self._load_round()
+        self.rounds += 1
         self.dm.timeline, self.scheduler.dispatcher.history = Timeline(rank), []
         try:
             self.scheduler.barrier()
             for index in range(self.steps_per_round):
                 start = time.perf_counter()
-                self._train_step()
+                self._train_step(self.batches[index], self.batches[index + 1])
                 self.dm.timeline.step(index, start, time.perf_counter())
             if not self.pipelined:
                 self.dm.synchronize()
@@ -266,8 +298,10 @@ class _PeerRunner(_Runner):
         self.samples["peer_check"] = check.line()
         self.samples["peer_bytes"] = []
         # A tensor-parallel peer computes on the whole batch on every rank; the others on a data-parallel share.
-        shares = (1, 0) if getattr(module, "WHOLE_BATCH", False) else data_share(spec.plan, rank)
-        self.peer = module.Runner(model, local_batch(inputs, *shares), ep_size=ep, lr=config.lr, **options)
+        self.shares = (1, 0) if getattr(module, "WHOLE_BATCH", False) else data_share(spec.plan, rank)
+        self.example, self.example_digest = inputs, digest(inputs)
+        self.inputs = local_batch(inputs, *self.shares)
+        self.peer = module.Runner(model, self.inputs, ep_size=ep, lr=config.lr, **options)
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -286,14 +320,16 @@ class _PeerRunner(_Runner):
         return {}
 
     def _train_steps(self) -> None:
-        for _ in range(self.steps_per_round):
+        for index in range(self.steps_per_round):
+            self.peer.inputs = self.batches[index]
             self.peer.train_step()
 
     def compute_only(self) -> tuple[float, float]:
         """The peer's step with its collectives made local copies of the same size."""
         self.barrier()
         start = time.monotonic()
-        for _ in range(self.steps_per_round):
+        for index in range(self.steps_per_round):
+            self.peer.inputs = self.batches[index]
             self.peer.compute_only()
         return _per_step(start, time.monotonic(), self.steps_per_round)
 

@@ -77,6 +77,11 @@ def add_parser(subparsers) -> None:
                         help="training steps per timed round, each phase timed over them and divided (default 1); "
                              "more than 1 shows defer_grad_sync, whose gradient traffic overlaps the next step's forward")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's bench preset)")
+    parser.add_argument("--batches", choices=("auto", "stream", "fixed"), default="auto",
+                        help="what every plan (peers too) trains on: stream, a new global batch every step with token ids from "
+                             "Zipf's law over the model's vocabulary (seeded; the next step's batch is given to dm.next_batch); "
+                             "fixed, the model's example batch every step; auto (default): stream when a plan has "
+                             "split_embedding_comm (its 2d schedule sends the next batch's rows first), else fixed")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
     parser.add_argument("--proportions", metavar="NAME", default=None,
@@ -180,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
         also=[_labelled(item) for item in args.also], link=link, flops_per_rank=args.flops_per_rank,
         grad_bucket_bytes=args.grad_bucket_bytes, collective_overhead_s=args.collective_overhead,
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
-        slow_method=args.slow_method, healthy=tuple(args.healthy),
+        slow_method=args.slow_method, healthy=tuple(args.healthy), batches=args.batches,
         plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce, "machine": _machine(args),
                      **({"compute": args.compute} if args.compute else {})},
     )

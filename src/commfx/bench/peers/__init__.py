@@ -20,7 +20,9 @@ model, batch and optimizer (issue 29), each verified equal to the single-process
 Every peer module gives the bench `NAME`, `preflight(model, *, ep_size, world_size,
 capacity_factor, inputs)` (one process, before any rank starts), `Runner(model, inputs, *, ep_size, lr,
 capacity_factor)` (`train_step`, `compute_only`, `step_bytes`) and `check(model, global_inputs,
-*, ep_size, lr)` (collective: a PeerCheck against the single-process model). A peer with
+*, ep_size, lr)` (collective: a PeerCheck against the single-process model). The bench hands
+a runner each step's batch by setting its `inputs` (a stream of batches); a peer that runs one
+fixed batch says `FIXED_BATCH = True`. A peer with
 options (`peer:NAME:key=value;key=value`) lists them with their defaults in `OPTIONS`; the
 three functions then take them as keywords.
 

@@ -32,6 +32,7 @@ from .common import CommRecord, PeerCheck, PeerUnsupported, Reference, fastest_e
 
 NAME = "pipelining"
 WHOLE_BATCH = True  # every rank is one stage: the first reads the whole batch
+FIXED_BATCH = True  # its schedule is built around one batch: no stream of batches (commfx bench --batches)
 OPTIONS = {"microbatches": 0, "schedule": "1f1b"}  # 0: as many micro-batches as stages (commfx's default)
 SCHEDULES = ("1f1b", "gpipe")
 TOLERANCE = 1e-10  # float64, the micro-batches' gradients summed in another order
