@@ -62,6 +62,7 @@ class PlanResult:
     decisions: list[str] = field(default_factory=list)  # resize_tp's decisions (rank 0's; every rank's are the same)
     placement_decisions: list[str] = field(default_factory=list)  # pack_experts re-placements (rank 0's)
     choices: list[str] = field(default_factory=list)  # the measured machine and cost-model choices (rank 0's)
+    compiled_with: dict | None = None  # cost-model figures and automatic choices (worker's `compiled_with`; rank 0's)
     # Per node: its link device and, per measured round, the (tx, rx) bytes per step its link
     # counters saw; None where there is no link to count (one node, plain localhost).
     wire: list[dict] | None = None
@@ -147,7 +148,7 @@ class PlanResult:
             "rank_compute_only_median_s": [t.median for t in self.rank_compute],
             "rank_step_compute_median_s": [t.median for t in self.rank_own_compute],
             "straggler_slowed": self.slowed, "resize_tp_decisions": self.decisions,
-            "expert_placement_decisions": self.placement_decisions, "choices": self.choices,
+            "expert_placement_decisions": self.placement_decisions, "choices": self.choices, "compiled_with": self.compiled_with,
         }
 
 
@@ -252,6 +253,7 @@ def summarise(rank_samples: list[dict], config: BenchConfig, cluster, link: Link
             decisions=per_rank[0].get("decisions", []),
             placement_decisions=per_rank[0].get("placement_decisions", []),
             choices=per_rank[0].get("choices", []),
+            compiled_with=per_rank[0].get("compiled_with"),
             wire=_wire_per_node(per_rank, config.ranks_per_node),
             messages=max(statistics.fmean(r["messages"]) if r.get("messages") else 0.0 for r in per_rank),
             peer_check=per_rank[0].get("peer_check"),

@@ -107,6 +107,9 @@ class _Runner:
     def choices(self) -> list[str]:
         return []
 
+    def compiled_with(self) -> dict | None:
+        return None
+
     @property
     def placement_lines(self) -> list[str]:
         return []
@@ -266,6 +269,15 @@ class _PlanRunner(_Runner):
         """The measured machine and the cost models' choices made from it (the same on every rank)."""
         return [n for n in self.dm.program.notes if n.startswith((MACHINE_NOTE, "partition_a2a:"))]
 
+    def compiled_with(self) -> dict:
+        """The cost models' figures the plan compiled with (measured on the ranks or given) and
+        the automatic choices they made: what `commfx simulate --validate` compiles with and checks."""
+        from ..cost.figures import figures_of
+        from ..passes.choices import automatic_choices
+
+        plan = self.dm.plan
+        return {"machine": plan.machine, "figures": figures_of(plan.topology), "choices": automatic_choices(self.dm.program, plan)}
+
     def decisions(self) -> list[str]:
         """What resize_tp's controller did (the same on every rank)."""
         if self.controller is None:
@@ -401,6 +413,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> dict:
     for runner in runners:
         runner.samples["decisions"] = runner.decisions()
         runner.samples["choices"] = runner.choices()
+        runner.samples["compiled_with"] = runner.compiled_with()
         runner.samples["placement_decisions"] = runner.placement_lines
     if config.trace_dir:
         for runner in runners:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import time
 
 import torch
@@ -47,6 +48,17 @@ class MachineFigures:
         link = "inter-node" if self.spans_nodes else "intra-node"
         return (f"{NOTE}: {self.flops_per_s / 1e9:,.1f} GFLOP/s per rank, {self.collective_s * 1e3:.2f} ms "
                 f"per collective, {self.link_bytes_per_s * 8 / 1e6:,.0f} Mbit/s per rank {link}")
+
+    @classmethod
+    def parse(cls, note: str) -> MachineFigures | None:
+        """The figures `describe` wrote (to its rounding), or None if `note` is not one of its lines."""
+        found = re.fullmatch(rf"{NOTE}: ([\d,.]+) GFLOP/s per rank, ([\d.]+) ms per collective, ([\d,.]+|inf) Mbit/s per rank (inter|intra)-node",
+                             note.strip())
+        if found is None:
+            return None
+        rate, per_call, link, where = found.groups()
+        link_bytes = float("inf") if link == "inf" else float(link.replace(",", "")) * 1e6 / 8
+        return cls(float(rate.replace(",", "")) * 1e9, float(per_call) * 1e-3, link_bytes, where == "inter")
 
 
 def measure(scheduler: CommScheduler, topology: Topology, dtype: torch.dtype, device: torch.device, shape=DEFAULT_SHAPE) -> MachineFigures:
