@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
             f"cluster), h100, a100; or --cluster FILE.toml. Example: {EXAMPLE}"
         ),
     )
-    parser.add_argument("model", help="built-in name (gpt-moe, gpt-moe-tiny), hf:<model_type>, or path/to/file.py:function")
+    parser.add_argument("model", help="built-in name (gpt-moe, gpt-moe-tiny; at `commfx bench`'s preset sizes, as bench runs them), "
+                                      "hf:<model_type>, or path/to/file.py:function")
     parser.add_argument("--passes", default="lift,expert_parallel", help="the plan (default: lift,expert_parallel)")
     parser.add_argument("--cluster", default="emulated", metavar="NAME|FILE", help="a preset (emulated, h100, a100) or a TOML file")
     parser.add_argument("--nodes", type=positive_int, default=None, help="nodes (default: the cluster's)")
@@ -42,6 +43,10 @@ def add_parser(subparsers) -> None:
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
     parser.add_argument("--rows-per-rank", type=positive_int, default=None, metavar="N",
                         help="trace one sequence per rank and simulate N (for models too large to trace at their batch here)")
+    parser.add_argument("--machine-from", metavar="BENCH_JSON", default=None,
+                        help="compile with the cost models' figures a `commfx bench --json` run compiled with (measured on its "
+                             "ranks), so automatic choices (partition_a2a k=auto, ...) are the run's; the run's layout and link "
+                             "must be this simulation's (default: the cluster's figures)")
     parser.add_argument("--json", metavar="FILE", help="write the prediction here (the step as step_s)")
     parser.add_argument("--trace", metavar="FILE", help="write the simulated step as a Perfetto/Chrome trace (the format of `bench --trace`)")
     parser.add_argument("--validate", metavar="BENCH_JSON", action="append", default=[],
@@ -53,8 +58,10 @@ def add_parser(subparsers) -> None:
 def _run(args) -> int:
     import dataclasses
 
+    from ..bench.config import PRESETS
     from ..plan import Plan
     from ..simulate import load_cluster, simulate
+    from ..simulate.recorded import machine_from
     from .bench import _model_kwargs
     from .checks import check_output_paths
 
@@ -64,7 +71,13 @@ def _run(args) -> int:
         return _validate(args, cluster)
     plan = Plan.from_cli(args.passes, world_size=cluster.world_size, ep=args.ep, tp=args.tp, pp=args.pp, ranks_per_node=cluster.ranks_per_node)
     plan = dataclasses.replace(plan, precision=args.precision)
-    prediction = simulate(args.model, plan, cluster, model_kwargs=_model_kwargs(args), rows_per_rank=args.rows_per_rank)
+    figures, source = None, None
+    if args.machine_from:
+        figures, source = machine_from(args.machine_from, cluster, args.passes)
+    kwargs = {**PRESETS.get(args.model, {}), **_model_kwargs(args)}  # the model `commfx bench MODEL` runs
+    prediction = simulate(args.model, plan, cluster, model_kwargs=kwargs, rows_per_rank=args.rows_per_rank, figures=figures)
+    if source:
+        prediction.notes.append(source)
     record = prediction.as_dict()
     _print(record, cluster)
     if args.json:
@@ -102,19 +115,31 @@ def _print(record: dict, cluster) -> None:
 
 
 def _validate(args, cluster) -> int:
-    from ..simulate.validate import validate
+    """Every commfx plan of each bench JSON predicted against its measured step; 1 when the
+    simulator's automatic choices for a plan differ from the run's (the message says which)."""
+    from ..simulate.validate import ChoiceMismatch, validate
 
-    rows = []
+    rows, status = [], 0
     for path in args.validate:
-        comparisons, skipped = validate(path, cluster)
-        table = Table(title=f"{path}: predicted vs measured step (median)")
-        for column in ("plan", "measured", "predicted", "error", "ratio measured", "ratio predicted", "ratio error"):
-            table.add_column(column, justify="left" if column == "plan" else "right")
+        try:
+            comparisons, skipped = validate(path, cluster)
+        except ChoiceMismatch as error:
+            console.print(f"error: {error}", soft_wrap=True)
+            status = 1
+            continue
+        fitted = any(c.fitted for c in comparisons)
+        title = f"{path}: predicted vs measured step (median)" + (f" — in-sample: the {cluster.name} cluster was fitted to this run" if fitted else "")
+        table = Table(title=title)
+        for column in ("plan", "measured", "predicted", "error", "ratio measured", "ratio predicted", "ratio error", "automatic choices"):
+            table.add_column(column, justify="left" if column in ("plan", "automatic choices") else "right")
         for c in comparisons:
+            chosen = ", ".join(f"{k}={v}" + (" (not recorded by the run)" if k in c.unchecked else "") for k, v in c.choices.items())
             table.add_row(c.label, f"{c.measured_s * 1e3:.1f} ms", f"{c.predicted_s * 1e3:.1f} ms", f"{c.step_error:+.1%}",
-                          f"{c.measured_ratio:.3f}", f"{c.predicted_ratio:.3f}", f"{c.ratio_error:+.1%}")
+                          f"{c.measured_ratio:.3f}", f"{c.predicted_ratio:.3f}", f"{c.ratio_error:+.1%}", chosen or "-")
             rows.append({"json": str(path), **c.as_dict()})
         console.print(table)
+        for source in sorted({c.figures for c in comparisons}):
+            console.print(f"cost models' figures: {source}", soft_wrap=True)
         for why in skipped:
             console.print(f"skipped: {why}", soft_wrap=True)
     if rows:
@@ -123,4 +148,4 @@ def _validate(args, cluster) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-    return 0
+    return status

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cost.figures import figures_of, with_figures
 from ..plan import Plan, PlanError
 from .cluster import Cluster, load_cluster, presets
 from .engine import Result, Simulation
@@ -36,6 +37,7 @@ class Prediction:
     plan: Plan
     result: Result
     notes: list[str]
+    choices: dict[str, str] = dataclasses.field(default_factory=dict)  # automatic choices compiled (passes.choices)
 
     def as_dict(self) -> dict:
         r = self.result
@@ -46,12 +48,14 @@ class Prediction:
             "collectives_per_rank": r.collectives, "inter_node_bytes_per_node": r.inter_node_bytes,
             "intra_node_bytes_per_rank": r.intra_node_bytes, "link_utilisation": r.link_utilisation(self.cluster),
             "peak_memory_bytes_per_rank": r.memory, "pipeline_boundary_bytes_per_step": r.boundary_bytes or None, "notes": self.notes,
+            "cost_model_figures": figures_of(self.plan.topology), "automatic_choices": self.choices,
         }
 
 
-def topology_for(cluster: Cluster, plan: Plan) -> Plan:
+def topology_for(cluster: Cluster, plan: Plan, figures: dict[str, float] | None = None) -> Plan:
     """`plan` laid out on `cluster` (world, ranks per node), with the cluster's figures for
-    the cost models (k=auto, packing degree, embedding strategy) to choose by."""
+    the cost models (k=auto, packing degree, embedding strategy) to choose by, or `figures`
+    (`cost.figures`: what a `commfx bench` run compiled with, `simulate.recorded`)."""
     device = cluster.device
     topology = dataclasses.replace(
         plan.topology, world_size=cluster.world_size, ranks_per_node=cluster.ranks_per_node,
@@ -60,6 +64,8 @@ def topology_for(cluster: Cluster, plan: Plan) -> Plan:
         flops_per_s=device.flops.get("bf16" if plan.precision == "bf16" else "fp32", device.flops["fp32"]) * device.compute_efficiency,
         collective_overhead_s=cluster.collective_overhead_s,
     )
+    if figures:
+        topology = with_figures(topology, figures)
     topology.validate()
     return dataclasses.replace(plan, topology=topology)
 
@@ -90,7 +96,7 @@ class Captures:
 
 def simulate(
     model_name: str, plan: Plan, cluster: Cluster, *, batch: int | None = None, seed: int = 0, model_kwargs: dict | None = None,
-    captures: Captures | None = None, rows_per_rank: int | None = None,
+    captures: Captures | None = None, rows_per_rank: int | None = None, figures: dict[str, float] | None = None,
 ) -> Prediction:
     """Compile `plan` for one rank of `cluster` and simulate its training step (`captures`:
     reuse a trace of the same model across calls).
@@ -98,10 +104,11 @@ def simulate(
     `rows_per_rank`: trace one sequence per rank and simulate this many (every traced cost is
     linear in rows at a fixed sequence length): for models whose traced forward would not fit
     this machine's memory at the real batch (the per-row experts path copies an expert's
-    weights for every routed row)."""
+    weights for every routed row). `figures`: the cost models' figures to compile with
+    instead of the cluster's (see `topology_for`)."""
     from ..compiler.pipeline import compile_program
 
-    plan = topology_for(cluster, plan)
+    plan = topology_for(cluster, plan, figures)
     for name in plan.pass_names():
         if name in UNSUPPORTED:
             raise PlanError(f"commfx simulate does not model {name} yet ({UNSUPPORTED[name]}); simulate the plan without it")
@@ -136,17 +143,18 @@ def simulate_program(model_name: str, program, plan: Plan, cluster: Cluster, *, 
     """Simulate a compiled program: its all-to-alls split and moved by the runtime's own
     schedule pass (`overlap_collectives`: starts as early, waits as late as data allows);
     a split program stage by stage over its pipeline schedule (`pipeline`)."""
+    from ..passes.choices import automatic_choices
     from ..passes.schedule.overlap import overlap_collectives
 
     tokens = program.tokens_per_rank or 0
     if program.regions.pipeline is not None:
         result, notes = simulate_pipeline(program, plan, cluster, tokens, scale)
-        return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + notes)
+        return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + notes, automatic_choices(program, plan))
     scheduled = program.derive()
     overlap_collectives(scheduled.gm)
     workload = build_workload(scheduled, plan, tokens, scale)
     result = Simulation(workload, program, plan, cluster).run()
-    return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + workload.notes)
+    return Prediction(model_name, passes_text(plan), cluster, plan, result, list(program.notes) + workload.notes, automatic_choices(program, plan))
 
 
 def passes_text(plan: Plan) -> str:

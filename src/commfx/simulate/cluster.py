@@ -5,8 +5,9 @@ with the layout (`nodes`, `ranks_per_node`), the device (`[device]`: peak FLOP/s
 memory bandwidth and size, efficiencies, per-op overhead), the links (`[intra_node]`,
 `[inter_node]`: bandwidth in bytes/s per direction, latency; the emulated cluster gives
 `link = "RATE[,LATENCY]"` in tc's units instead) and the collectives (`[collectives]`:
-per-call overhead, all-reduce and all-to-all algorithms). A missing or wrong field is an
-error naming the file and the field.
+per-call overhead, all-reduce and all-to-all algorithms), and `fitted_to`: the bench runs
+whose measurements set its figures (none for datasheet presets). A missing or wrong field is
+an error naming the file and the field.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class Cluster:
     collective_overhead_s: float
     all_reduce: str
     all_to_all: str
+    # `commfx bench` JSON files (names under benchmarks/) whose measurements set this
+    # cluster's figures: validation against them is in-sample, so prediction errors leave them out
+    fitted_to: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -150,7 +154,7 @@ def parse_cluster(data: dict, source: str) -> Cluster:
         intra_node=Link(fields.number(intra, "intra_node", "bandwidth"), fields.number(intra, "intra_node", "latency_s", allow_zero=True),
                         fields.share(intra, "intra_node", "efficiency", default=1.0)),
         inter_node=inter_link, collective_overhead_s=fields.number(collectives, "collectives", "overhead_s", allow_zero=True),
-        all_reduce=all_reduce, all_to_all=all_to_all,
+        all_reduce=all_reduce, all_to_all=all_to_all, fitted_to=fields.names("fitted_to"),
     )
 
 
@@ -187,6 +191,12 @@ class _Fields:
         if value > 1:
             raise self.fail(f"{where}.{key}", f"is a share of the peak: at most 1, got {value!r}")
         return value
+
+    def names(self, key: str) -> tuple[str, ...]:
+        value = self.data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(key, f"must be a list of file names, got {value!r}")
+        return tuple(value)
 
     def choice(self, table: dict, where: str, key: str, choices: tuple[str, ...]) -> str:
         value = table.get(key, choices[0])
