@@ -121,7 +121,8 @@ class CommfxBackend:
 
         sources = [i for _, i in bound] + positions
         with _dynamic_output_shapes(user_inputs):
-            compiled = compile_training(lowering, [example_inputs[i] for i in sources], forward=forward, backward=backward, fake_inputs=True, compute=self.plan.compute)
+            compiled = compile_training(lowering, [example_inputs[i] for i in sources], forward=forward, backward=backward, fake_inputs=True,
+                                        compute=self.plan.compute, activation_memory_budget=self.plan.activation_memory_budget)
         self.programs.append(program)
         self.graphs.append(graphs)
 

@@ -261,6 +261,10 @@ class Plan:
     machine: str = "given"
     # How the compute between collectives runs: see COMPUTE_MODES (--compute).
     compute: str = field(default_factory=default_compute)
+    # Activation recomputation (--activation-memory-budget): None saves every activation the
+    # backward reads; b in (0, 1] keeps about b of them (aot_autograd's min-cut partition under
+    # that budget, compiler/remat.py) and the backward recomputes the rest.
+    activation_memory_budget: float | None = None
 
     @classmethod
     def from_cli(cls, passes: str, world_size: int | None = None, **topology: Any) -> "Plan":
@@ -306,6 +310,12 @@ class Plan:
             raise PlanError(
                 f"compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r} "
                 "(--compute, or COMMFX_COMPUTE in the environment)"
+            )
+        budget = self.activation_memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1):
+            raise PlanError(
+                f"activation_memory_budget must be a number in (0, 1] or None, got {budget!r}: the share of activations the forward "
+                "keeps for the backward (1 keeps what the min-cut partition keeps, smaller recomputes more; --activation-memory-budget)"
             )
         own_sync = [name for name in ("shard_states", "pipeline_split") if name in self.pass_names()]
         if self.grad_reduce_dtype != "fp32" and own_sync:

@@ -24,6 +24,17 @@ def non_negative_float(text: str) -> float:
     return _number(text, float, lambda v: 0 <= v < math.inf, "a non-negative number")
 
 
+ACTIVATION_BUDGET_HELP = (
+    "activation recomputation: keep about this share (0 < B <= 1) of the activations the backward reads and recompute the "
+    "rest in the backward (aot_autograd's min-cut partition under the budget; default: keep them all)"
+)
+
+
+def budget(text: str) -> float:
+    """A share in (0, 1]: `--activation-memory-budget`."""
+    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
 def _number(text: str, kind, ok, what: str):
     try:
         value = kind(text)

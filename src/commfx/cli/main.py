@@ -15,7 +15,7 @@ from rich.text import Text
 
 from ..plan import COMPUTE_MODES, MACHINE_FIGURES, PRECISIONS, Plan, PlanError
 from ..runtime.devices import DEVICES
-from .args import non_negative_float, non_negative_int, positive_float, positive_int
+from .args import ACTIVATION_BUDGET_HELP, budget, non_negative_float, non_negative_int, positive_float, positive_int
 from .bench import add_parser as add_bench_parser
 from .simulate import add_parser as add_simulate_parser
 from .plan import add_parser as add_plan_parser
@@ -65,6 +65,7 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
         help="inductor (default): the compute between collectives and runtime hooks compiled by Inductor in regions; "
         "interpret: every node run by the graph executor (debugging, bit-for-bit comparisons). Default: $COMMFX_COMPUTE or inductor",
     )
+    parser.add_argument("--activation-memory-budget", type=budget, default=None, metavar="B", help=ACTIVATION_BUDGET_HELP)
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -78,7 +79,8 @@ def _plan_args(parser: argparse.ArgumentParser, *, default_world: int = 2) -> No
 
 def _plan(args) -> Plan:
     plan = Plan.from_cli(args.passes, world_size=args.world_size, ep=args.ep, pp=args.pp, tp=args.tp, ranks_per_node=args.ranks_per_node)
-    plan = dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision, grad_reduce_dtype=args.grad_reduce)
+    plan = dataclasses.replace(plan, collective_timeout_s=args.collective_timeout, precision=args.precision, grad_reduce_dtype=args.grad_reduce,
+                               activation_memory_budget=args.activation_memory_budget)
     return dataclasses.replace(plan, compute=args.compute) if args.compute else plan
 
 
@@ -107,19 +109,36 @@ def cmd_dump(args) -> int:
     if args.stage in ("forward", "backward"):
         from ..compiler.lower import lower
 
-        lowered = lower(program, inputs, compute=plan.compute)
+        lowered = lower(program, inputs, compute=plan.compute, activation_memory_budget=plan.activation_memory_budget)
         gm = lowered.forward if args.stage == "forward" else lowered.backward
     else:
-        gm = program.gm
+        lowered, gm = None, program.gm
     text = render(gm, args.format)
     if args.stage == "distributed" and program.regions.pipeline is not None:
         from ..compiler.render import render_pipeline
 
         text = render_pipeline(program.regions.pipeline, args.format)
-    if args.format == "code" and program.notes:  # what passes chose, and why
-        text = "".join(f"# {note}\n" for note in program.notes) + text
+    notes = list(program.notes)  # what passes chose, and why
+    if lowered is not None or plan.activation_memory_budget is not None:
+        notes.append(_activation_note(plan, lowered))
+    if args.format == "code" and notes:
+        text = "".join(f"# {note}\n" for note in notes) + text
     _write(text, args.output, f"{args.stage} graph ({len(gm.graph.nodes)} nodes)")
     return 0
+
+
+def _activation_note(plan: Plan, lowered) -> str:
+    """The dump header's line on activation recomputation: the plan's budget and, for the
+    lowered graphs, what the forward saves for the backward."""
+    budget = plan.activation_memory_budget
+    text = "activation memory budget: " + (f"{budget:g} (the backward recomputes what the forward does not save)" if budget is not None
+                                           else "none (the forward saves every activation the backward reads)")
+    if lowered is None:
+        return text
+    from ..compiler.remat import saved_activations
+
+    saved = saved_activations(lowered.forward, lowered.backward)
+    return f"{text}; the forward saves {saved.tensors} activations, {saved.bytes:,} bytes at the traced sizes"
 
 
 def _write(text: str, path: str | None, what: str) -> None:

@@ -23,6 +23,7 @@ from ..passes.schedule.overlap import overlap_collectives
 from ..plan import COMPUTE_MODES, default_compute
 from .compile_regions import HookPoints, Hooks, compile_regions, default_hooks, mark_regions
 from .program import Program
+from .remat import partition_fn
 from .sharding import shard_parameters
 
 GraphRunner = Callable[[fx.GraphModule], Callable]
@@ -44,6 +45,7 @@ def compile_training(
     dynamic: bool = False,
     compute: str | None = None,
     hooks: HookPoints | None = None,
+    activation_memory_budget: float | None = None,
 ) -> Callable:
     """aot_autograd over `gm`; each scheduled graph goes to `forward`/`backward`, which
     return the callable that runs it. Returns the differentiable compiled function.
@@ -53,7 +55,8 @@ def compile_training(
     `compute`: "inductor" compiles each graph's regions before its runner sees it (default:
     `plan.default_compute()`); `hooks(graph, phase)` -> (nodes a region starts at, nodes it
     ends after): where the runtime acts in that graph (default: after every gradient output
-    in backward).
+    in backward). `activation_memory_budget`: the plan's; the forward saves about that share
+    of its activations and the backward recomputes the rest (`remat`; None saves all).
     """
     compute = compute or default_compute()
     if compute not in COMPUTE_MODES:
@@ -68,7 +71,8 @@ def compile_training(
 
         return compiler
 
-    compilers = {"fw_compiler": scheduled(forward, "forward"), "bw_compiler": scheduled(backward, "backward")}
+    compilers = {"fw_compiler": scheduled(forward, "forward"), "bw_compiler": scheduled(backward, "backward"),
+                 "partition_fn": partition_fn(activation_memory_budget)}
     if fake_inputs:
         return aot_module_simplified(gm, list(example_inputs), **compilers)
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
@@ -77,10 +81,12 @@ def compile_training(
         return aot_module_simplified(gm, fakes, **compilers)
 
 
-def lower(program: Program, example_inputs: tuple[torch.Tensor, ...], *, compute: str = "interpret") -> Lowered:
-    """Scheduled forward and backward graphs of `program` (as rank 0 sees its shapes).
-    Under compute="inductor" their nodes are marked with the regions they would be compiled
-    in (not compiled: `render` shows the cut)."""
+def lower(
+    program: Program, example_inputs: tuple[torch.Tensor, ...], *, compute: str = "interpret", activation_memory_budget: float | None = None
+) -> Lowered:
+    """Scheduled forward and backward graphs of `program` (as rank 0 sees its shapes), split
+    under `activation_memory_budget` (see `compile_training`). Under compute="inductor" their
+    nodes are marked with the regions they would be compiled in (not compiled: `render` shows the cut)."""
     program = copy.copy(program)
     program.gm = copy.deepcopy(program.gm)
     shard_parameters(program, 0)
@@ -93,7 +99,8 @@ def lower(program: Program, example_inputs: tuple[torch.Tensor, ...], *, compute
 
         return runner
 
-    compile_training(program.gm, example_inputs, forward=keep("forward"), backward=keep("backward"), dynamic=True, compute="interpret")
+    compile_training(program.gm, example_inputs, forward=keep("forward"), backward=keep("backward"), dynamic=True, compute="interpret",
+                     activation_memory_budget=activation_memory_budget)
     if "backward" not in graphs:
         raise RuntimeError("aot_autograd produced no backward graph (does any parameter require grad?)")
     if compute == "inductor":

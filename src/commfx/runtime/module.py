@@ -276,7 +276,8 @@ class DistributedModule(torch.nn.Module):
                 hoist_row_posts(gm)  # before the regions are cut, so a region ends where rows are posted
             return region_hooks(gm, phase, captured.grad_sync, self.scheduler, deferred=self.deferred is not None, gathered=gather is not None)
 
-        compile_args = {"forward": forward, "backward": backward, "compute": self.plan.compute, "hooks": hooks}
+        compile_args = {"forward": forward, "backward": backward, "compute": self.plan.compute, "hooks": hooks,
+                        "activation_memory_budget": self.plan.activation_memory_budget}
         if gather is None:
             return self._compile_training(captured.gm, inputs, **compile_args)
         with gather.materialized():  # tracing reads shapes only: no gather, so a rank may lower a new shape alone

@@ -223,7 +223,8 @@ class PipelineModule(torch.nn.Module):
 
             # The stage's gradients are reduced after the schedule, not inside its graphs: no hooks.
             compiled = self._compiled[key] = self._compile_training(
-                self.module, inputs, forward=forward, backward=backward, compute=self.plan.compute, hooks=lambda gm, phase: (set(), set())
+                self.module, inputs, forward=forward, backward=backward, compute=self.plan.compute, hooks=lambda gm, phase: (set(), set()),
+                activation_memory_budget=self.plan.activation_memory_budget,
             )
         return compiled
 
