@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..plan import COMPUTE_MODES, MACHINE_FIGURES
-from .args import non_negative_float, non_negative_int, positive_float, positive_int
+from .args import ACTIVATION_BUDGET_HELP, budget, non_negative_float, non_negative_int, positive_float, positive_int
 
 __all__ = ["add_parser"]
 
@@ -55,6 +55,7 @@ def add_parser(subparsers) -> None:
                              "interpret (the graph executor); default: COMMFX_COMPUTE, else inductor (peers run as they are)")
     parser.add_argument("--grad-reduce", choices=("fp32", "bf16"), default="fp32",
                         help="the dtype every commfx plan all-reduces gradients in (default fp32)")
+    parser.add_argument("--activation-memory-budget", type=budget, default=None, metavar="B", help=f"every commfx plan's: {ACTIVATION_BUDGET_HELP}")
     parser.add_argument("--nodes", type=positive_int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=positive_int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--inter-node", metavar="RATE[,LATENCY]", default="200mbit,1ms",
@@ -187,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
         collective_timeout_s=args.collective_timeout, tp=args.tp, slow_rank=args.slow_rank,
         slow_method=args.slow_method, healthy=tuple(args.healthy), batches=args.batches,
         plan_fields={"precision": args.precision, "grad_reduce_dtype": args.grad_reduce, "machine": _machine(args),
+                     "activation_memory_budget": args.activation_memory_budget,
                      **({"compute": args.compute} if args.compute else {})},
     )
     if args.trace:

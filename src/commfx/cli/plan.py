@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..plan import PlanError
-from .args import positive_int
+from .args import ACTIVATION_BUDGET_HELP, budget, positive_int
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
             "Enumerate the plans commfx simulate models (expert parallelism at each ep size, partition_a2a k, "
             "pack_experts degree, tp inside a node, pp with micro-batches and compress_pipeline rank, "
             "locality_gate for top-1 routers, split_embedding_comm for untied tables, "
-            "shard_states 1-3, bf16), simulate each on the cluster, drop those over the memory limit and print the "
+            "shard_states 1-3, bf16, and activation recomputation budgets for plans over the memory limit), simulate each on the "
+            "cluster, drop those over the memory limit and print the "
             f"best by predicted step, with what each saves against naive expert parallelism. Example: {EXAMPLE}"
         ),
     )
@@ -44,6 +45,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the precision of the --candidate plans (the search tries both)")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages of the --candidate plans (with pipeline_split in them)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the --candidate plans (with tensor_parallel)")
+    parser.add_argument("--activation-memory-budget", type=budget, default=None, metavar="B",
+                        help=f"of the --candidate plans (the search tries 0.5, 0.25 and 0.1 on plans over the limit): {ACTIVATION_BUDGET_HELP}")
     parser.add_argument("--emit", metavar="FILE", help="write the chosen plan's --passes string here")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model config override (repeatable)")
@@ -93,7 +96,8 @@ def _run(args) -> int:
     check_output_paths({"--emit": args.emit})
     cluster = layout(load_cluster(args.cluster), args.world, args.nodes, args.ranks_per_node, args.inter_node)
     limit = cluster.device.memory_bytes if args.memory_limit == "auto" else parse_bytes(args.memory_limit)
-    candidates = [Candidate(p, precision=args.precision, pp=args.pp, tp=args.tp) for p in args.candidate] or None
+    candidates = [Candidate(p, precision=args.precision, pp=args.pp, tp=args.tp, activation_memory_budget=args.activation_memory_budget)
+                  for p in args.candidate] or None
     console.print(f"planning {args.model} on {cluster.describe()}, memory limit {size(limit)} per rank ...", soft_wrap=True)
     result = search(args.model, cluster, memory_limit=limit, model_kwargs=_model_kwargs(args), seed=args.seed, candidates=candidates,
                     rows_per_rank=args.rows_per_rank)

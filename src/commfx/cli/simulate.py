@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .args import non_negative_int, positive_int
+from .args import ACTIVATION_BUDGET_HELP, budget, non_negative_int, positive_int
 
 __all__ = ["add_parser"]
 
@@ -38,6 +38,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (with tensor_parallel in --passes)")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (with pipeline_split in --passes)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--activation-memory-budget", type=budget, default=None, metavar="B", help=ACTIVATION_BUDGET_HELP)
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
@@ -70,7 +71,7 @@ def _run(args) -> int:
     if args.validate:
         return _validate(args, cluster)
     plan = Plan.from_cli(args.passes, world_size=cluster.world_size, ep=args.ep, tp=args.tp, pp=args.pp, ranks_per_node=cluster.ranks_per_node)
-    plan = dataclasses.replace(plan, precision=args.precision)
+    plan = dataclasses.replace(plan, precision=args.precision, activation_memory_budget=args.activation_memory_budget)
     figures, source = None, None
     if args.machine_from:
         figures, source = machine_from(args.machine_from, cluster, args.passes)

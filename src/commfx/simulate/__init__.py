@@ -47,7 +47,8 @@ class Prediction:
             "step_s": r.step_s, "compute_s": r.compute_s, "comm_s": r.comm_s, "exposed_comm_s": r.exposed_comm_s,
             "collectives_per_rank": r.collectives, "inter_node_bytes_per_node": r.inter_node_bytes,
             "intra_node_bytes_per_rank": r.intra_node_bytes, "link_utilisation": r.link_utilisation(self.cluster),
-            "peak_memory_bytes_per_rank": r.memory, "pipeline_boundary_bytes_per_step": r.boundary_bytes or None, "notes": self.notes,
+            "peak_memory_bytes_per_rank": r.memory, "activation_memory_budget": self.plan.activation_memory_budget,
+            "pipeline_boundary_bytes_per_step": r.boundary_bytes or None, "notes": self.notes,
             "cost_model_figures": figures_of(self.plan.topology), "automatic_choices": self.choices,
         }
 

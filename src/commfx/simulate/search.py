@@ -6,11 +6,12 @@ every ep size that divides the world and the experts, partitioned all-to-all
 per device of that ep), tensor parallelism inside a node (tp 2, 4, 8), pipelines (pp up to
 the model's layers, pp or 4 pp micro-batches) and their boundary compression
 (`compress_pipeline:rank` 4, 16, 64), the locality gate (top-1 routers, experts on more
-than one node), sparse embedding communication (untied tables), ZeRO stages 1-3 and bf16
-where the device has a bf16 rate. The search is a beam over those dimensions in that order: the MoE
-communication structure is enumerated in full, then each dimension extends the best few
-plans so far (a dimension's choices barely interact with the ones already made, and the
-full product is hundreds of plans). Plans are ranked by predicted step among those that
+than one node), sparse embedding communication (untied tables), ZeRO stages 1-3, bf16
+where the device has a bf16 rate, and activation recomputation (`--activation-memory-budget`
+0.5, 0.25, 0.1), tried on the fastest plans over the memory limit. The search is a beam
+over those dimensions in that order: the MoE communication structure is enumerated in
+full, then each dimension extends the best few plans so far (a dimension's choices barely
+interact with the ones already made, and the full product is hundreds of plans). Plans are ranked by predicted step among those that
 fit the memory limit (the simulator's held bytes per rank, activations included); a plan a
 pass refuses is listed with the pass's reason. The model is traced once (`Captures`).
 """
@@ -29,6 +30,7 @@ K_CHOICES = ("1", "2", "4", "8", "auto")
 MICROBATCHES_PER_STAGE = (1, 4)  # pipeline_split:microbatches = pp x each
 COMPRESSION_RANKS = (4, 16, 64)
 BEAM = 3
+ACTIVATION_BUDGETS = (0.5, 0.25, 0.1)  # tried on plans over the memory limit: recompute to fit
 LOSSY = {"locality_gate": "changes routing (lossy)", "compress_pipeline": "low-rank boundary gradients (lossy)"}
 # Passes that come after the model-parallel ones in a pass list (a dimension inserts before them).
 LATER = ("pipeline_split", "compress_pipeline", "shard_states")
@@ -41,12 +43,15 @@ class Candidate:
     precision: str = "fp32"
     pp: int = 1
     tp: int = 1
+    activation_memory_budget: float | None = None
 
     def command_args(self) -> str:
-        """The flags that run this plan: `--passes ...` and, where not the default, --ep, --pp, --tp and --precision."""
+        """The flags that run this plan: `--passes ...` and, where not the default, --ep, --pp, --tp, --precision and
+        --activation-memory-budget."""
         defaults = {"ep": 0, "pp": 1, "tp": 1}
         sizes = "".join(f" --{name} {getattr(self, name)}" for name, default in defaults.items() if getattr(self, name) != default)
-        return f"--passes {self.passes}{sizes}" + (f" --precision {self.precision}" if self.precision != "fp32" else "")
+        budget = f" --activation-memory-budget {self.activation_memory_budget:g}" if self.activation_memory_budget is not None else ""
+        return f"--passes {self.passes}{sizes}" + (f" --precision {self.precision}" if self.precision != "fp32" else "") + budget
 
     def with_passes(self, passes: str) -> Candidate:
         return dataclasses.replace(self, passes=passes)
@@ -134,7 +139,7 @@ class Planner:
         try:
             plan = Plan.from_cli(candidate.passes, world_size=self.cluster.world_size, ep=candidate.ep, ranks_per_node=self.cluster.ranks_per_node,
                                  pp=candidate.pp, tp=candidate.tp)
-            plan = dataclasses.replace(plan, precision=candidate.precision)
+            plan = dataclasses.replace(plan, precision=candidate.precision, activation_memory_budget=candidate.activation_memory_budget)
             ranked.prediction = simulate(self.model, plan, self.cluster, seed=self.seed, model_kwargs=self.model_kwargs, captures=self.captures,
                                          rows_per_rank=self.rows_per_rank)
             ranked.fits = ranked.memory_bytes <= self.memory_limit
@@ -205,10 +210,12 @@ def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Clus
         out += [candidate.with_passes(f"{passes},shard_states:stage={s}") for s in (1, 2, 3)]
     elif dimension == "precision" and "bf16" in cluster.device.flops:
         out.append(dataclasses.replace(candidate, precision="bf16"))
+    elif dimension == "recompute" and candidate.activation_memory_budget is None:
+        out += [dataclasses.replace(candidate, activation_memory_budget=b) for b in ACTIVATION_BUDGETS]
     return out
 
 
-DIMENSIONS = ("tensor", "pipeline", "compression", "locality", "embedding", "sharding", "precision")
+DIMENSIONS = ("tensor", "pipeline", "compression", "locality", "embedding", "sharding", "precision", "recompute")
 
 
 def _rows(inputs) -> int:
@@ -246,6 +253,8 @@ def search(
         for dimension in DIMENSIONS:
             # model parallelism re-lays out the experts a structure was sized for: grow the plain ones too
             seeds = best + [r for r in plain if r not in best] if dimension in ("tensor", "pipeline") else best
+            if dimension == "recompute":  # recomputation only pays where memory is short: the fastest plans over the limit
+                seeds = sorted((r for r in planner.seen.values() if not r.refused and not r.fits), key=Ranked.key)[:beam]
             grown = [planner.run(c) for r in seeds for c in extensions(r.candidate, dimension, facts, cluster)]
             best = _best(grown, beam)
         baseline = next((r for r in reversed(plain) if not r.refused), plain[-1])  # naive EP, else no rewrite
@@ -282,6 +291,8 @@ def explain(ranked: Ranked, baseline: Ranked | None) -> str:
     parts += [why for name, why in LOSSY.items() if name in ranked.candidate.passes]
     if ranked.candidate.precision != baseline.candidate.precision:
         parts.append(f"{ranked.candidate.precision} compute (not bit-identical)")
+    if ranked.candidate.activation_memory_budget is not None:
+        parts.append(f"recomputes activations (budget {ranked.candidate.activation_memory_budget:g})")
     if not ranked.fits:
         parts.append("over the memory limit")
     return "; ".join(parts)

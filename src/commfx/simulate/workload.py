@@ -9,6 +9,12 @@ that holds any of its experts). The backward is the forward mirrored: compute tw
 FLOPs (expert FFNs 8/3: they recompute their hidden layer), each all-to-all reversed (its
 wait in the forward is where the backward starts it, and its start where the backward
 waits), and each parameter's gradient ready once the backward passes its first use.
+
+Activations are every compute node's output (an upper bound on what the backward reads).
+Under `Plan(activation_memory_budget=b)` the forward keeps about b of those bytes: the
+nodes cheapest to recompute (fewest FLOPs per byte kept; never a commfx op, which the
+partition saves, `compiler.remat`) are dropped until the rest fits, and the backward runs
+each dropped node again just before its own gradient.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.program import TP_PARTS, Program, module_path
+from ..compiler.remat import recomputable
 from ..cost.flops import hint, node_bytes, node_flops
 from ..plan import DEFAULT_CLASS, Plan
 
@@ -61,14 +68,18 @@ class Item:
     comm: Comm | None = None
     comm_id: int = -1
     params: list[str] = field(default_factory=list)  # grads: ready now; forward: first read here
+    saved: float = 0.0  # forward compute: bytes of its output kept for the backward
+    recomputable: bool = False  # forward compute: the partition may recompute it (not a commfx op)
+    recompute: bool = False  # forward compute: dropped under the plan's budget, run again in the backward
 
 
 @dataclass
 class Workload:
     items: list[Item]
     params: dict[str, tuple[int, int, str | None]]  # name -> (numel on this rank, element size, reducing group or None)
-    activation_bytes: float  # forward outputs kept for backward (an upper bound)
+    activation_bytes: float  # forward outputs kept for backward (an upper bound; under a budget, what it keeps)
     notes: list[str]
+    recompute_flops: float = 0.0  # forward FLOPs the backward runs again (activation budget)
 
 
 def _target(node: fx.Node) -> str:
@@ -171,13 +182,23 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
             continue
         flops, nbytes = _compute_cost(node, name, blocks, rows, constant)
         if flops or nbytes:
-            forward.append(Item("compute", node.name, "forward", label=_label(node), flops=flops, nbytes=nbytes))
-            activation += _tensor_bytes(_value(node)) * rows
+            saved = _tensor_bytes(_value(node)) * rows
+            forward.append(Item("compute", node.name, "forward", label=_label(node), flops=flops, nbytes=nbytes, saved=saved,
+                                recomputable=recomputable(node.target)))
+            activation += saved
         if name == "sparse_grad_embedding":
             forward.append(_row_grad_exchange(node, next(counter), rows))
     for param, index in first_use.items():  # the item that first reads a parameter (shard_states:stage=3 gathers it before)
         if index < len(forward):
             forward[index].params.append(param)
+    recompute_flops = 0.0
+    if plan.activation_memory_budget is not None and activation:
+        kept = drop_activations(forward, plan.activation_memory_budget * activation)
+        dropped = [i for i in forward if i.recompute]
+        recompute_flops = sum(i.flops for i in dropped)
+        notes.append(f"activation memory budget {plan.activation_memory_budget:g}: the forward keeps {kept / 1e6:.4g} of "
+                     f"{activation / 1e6:.4g} MB of activations; the backward recomputes {len(dropped)} ops ({recompute_flops / 1e9:.4g} GFLOP)")
+        activation = kept
     backward = _mirror(forward, counter, first_use)
     params = _parameters(program, plan)
     # AdamW reads and writes p, g, m, v; under shard_states each rank steps its shard only
@@ -186,7 +207,21 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
     items = forward + backward + [Item("compute", "optimizer.step", "optimizer", label="optimizer step", nbytes=optimizer_bytes)]
     if not blocks.blocks and any(i.comm and i.comm.payload == 0 for i in items):
         notes.append("some collectives could not be sized from the graph and count as latency only")
-    return Workload(items, params, activation, notes)
+    return Workload(items, params, activation, notes, recompute_flops)
+
+
+def drop_activations(forward: list[Item], keep_bytes: float) -> float:
+    """Mark forward compute items to recompute, cheapest per byte first, until at most
+    `keep_bytes` of activations are kept (or nothing recomputable is left); the bytes kept."""
+    kept = sum(i.saved for i in forward)
+    candidates = sorted((i for i in forward if i.what == "compute" and i.recomputable and i.saved > 0),
+                        key=lambda i: (i.flops / i.saved, i.nbytes / i.saved))
+    for item in candidates:
+        if kept <= keep_bytes:
+            break
+        item.recompute = True
+        kept -= item.saved
+    return kept
 
 
 def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int, scale: float = 1.0) -> Comm | None:
@@ -250,7 +285,8 @@ def _label(node: fx.Node) -> str:
 
 
 def _mirror(forward: list[Item], counter, first_use: dict[str, int]) -> list[Item]:
-    """The backward: forward reversed, compute doubled, all-to-alls reversed, grads ready."""
+    """The backward: forward reversed, compute doubled (a recomputed forward op first runs
+    again), all-to-alls reversed, grads ready."""
     ready_after: dict[int, list[str]] = {}
     for param, index in first_use.items():
         ready_after.setdefault(index, []).append(param)
@@ -259,6 +295,8 @@ def _mirror(forward: list[Item], counter, first_use: dict[str, int]) -> list[Ite
     for index in range(len(forward) - 1, -1, -1):
         item = forward[index]
         if item.what == "compute":
+            if item.recompute:
+                backward.append(Item("compute", item.name, "backward", label=f"{item.label} (recompute)", flops=item.flops, nbytes=item.nbytes))
             factor = BACKWARD_FACTOR.get(item.label.split(".")[-1], 2.0)
             backward.append(Item("compute", item.name, "backward", label=item.label, flops=factor * item.flops, nbytes=2 * item.nbytes))
         elif item.what == "exchange":  # a backward-only exchange: coalesce, send, wait
