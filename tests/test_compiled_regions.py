@@ -130,6 +130,25 @@ def test_compiled_regions_equal_the_interpreted_graph_in_float64():
         assert [str(n.target) for n in gm.graph.nodes if is_collective(n)] == [str(n.target) for n in before.graph.nodes if is_collective(n)]
         for node in regions:
             assert not any(is_collective(n) for n in gm.get_submodule(node.target).graph_module.graph.nodes)
+    # the expert ops were opened around their GEMMs (ops/decompositions.py) and the hidden
+    # layer the backward used to recompute is the forward's, saved: per expert call, two
+    # GEMMs forward and two backward (with the two weight gradients), not three
+    forward_gemms, backward_gemms = (_targets(compiled[phase]) for phase in ("forward", "backward"))
+    assert "expert_ffn" not in forward_gemms and "expert_ffn_backward" not in backward_gemms
+    assert forward_gemms.count("grouped_mm") == 2 * plain["forward"].graph.find_nodes(op="call_function", target=torch.ops.commfx.expert_ffn.default).__len__() > 0
+    assert backward_gemms.count("grouped_mm") == forward_gemms.count("grouped_mm")
+    assert backward_gemms.count("grouped_mm_weight_grad") == forward_gemms.count("grouped_mm")
+
+
+def _targets(gm: fx.GraphModule) -> list[str]:
+    """Op names (commfx's, without namespace) in a graph and its compiled regions' graphs."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            names += _targets(gm.get_submodule(node.target).graph_module)
+        elif node.op == "call_function" and str(node.target).startswith("commfx."):
+            names.append(str(node.target).split(".")[1])
+    return names
 
 
 def test_interpret_is_a_plan_choice_and_a_bad_one_is_refused():

@@ -89,6 +89,10 @@ SAMPLES: dict[str, Sample] = {
         lambda: (f64(12, H, grad=False), f64(12, H, grad=False), i64(COUNTS), f64(E, 2 * I, H, grad=False), f64(E, H, I, grad=False), "silu"),
         ("test_autograd_registration",), BACKWARD_OP,
     ),
+    "grouped_mm": Sample(lambda: (f64(12, H), f64(E, I, H), i64(COUNTS), True)),
+    "grouped_mm_weight_grad": Sample(
+        lambda: (f64(12, I, grad=False), f64(12, H, grad=False), i64(COUNTS)), ("test_autograd_registration",), BACKWARD_OP
+    ),
     "group_by_expert": Sample(lambda: (f64(9, H), i64([[1, 0, 2], [3, 2, 1]]), False)),
     # ------------------------------------------------------------------ packed experts
     "expert_slots": Sample(lambda: (i64(INDICES), None, "opcheck", E, 1), ("test_autograd_registration",), NO_FLOAT_INPUT),
@@ -172,6 +176,7 @@ SAMPLES: dict[str, Sample] = {
 
 # More samples of ops whose behaviour changes with an argument ("op:variant").
 VARIANTS: dict[str, Sample] = {
+    "grouped_mm:no_trans": Sample(lambda: (f64(12, H), f64(E, H, I), i64(COUNTS), False)),
     "moe_dispatch:capacity": Sample(lambda: (f64(N, H), i64(INDICES), E, 0.75, torch.tensor(0.5, dtype=torch.float64))),
     "rank_dispatch:capacity": Sample(lambda: (f64(N, H), i64(INDICES), f64(N, K), 2, 2, 0.75)),
     "topk_router:unnormalised": Sample(lambda: (f64(N, E), K, False, torch.float32)),

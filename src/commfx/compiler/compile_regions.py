@@ -272,6 +272,7 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
     region = fx.GraphModule(torch.nn.Module(), graph)
     examples = [source.meta["val"] for source in inputs]
     mode = torch._guards.detect_fake_mode(examples)
+    examples = _plain_sums(examples, mode)
     with mode if mode is not None else contextlib.nullcontext():  # factory ops (arange of a size) trace on fakes too
         decomposed = make_fx(region, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
     context = torch._guards.TracingContext.try_get()
@@ -288,6 +289,43 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
         if context is not None:
             context.output_strides = strides
     return CompiledRegion(region, compiled)
+
+
+def _plain_sums(examples: list, mode) -> list:
+    """The region's example inputs with each sum of symbols that no input binds alone (the
+    size of partition_a2a's merged chunks in backward: u0 + u1, with u0 and u1 nowhere) made
+    one fresh symbol: Inductor binds a symbol only from an input's plain size, and the region
+    needs just the sum, which the input's real size gives at run time."""
+    shape_env = getattr(mode, "shape_env", None)
+    if shape_env is None:
+        return examples
+    bound = {d.node.expr for value in examples for d in _sizes(value) if d.node.expr.is_Symbol}
+    fresh = {}
+    for value in examples:
+        for d in _sizes(value):
+            expr = d.node.expr
+            if not expr.is_Symbol and not expr.free_symbols <= bound and expr not in fresh:
+                with shape_env.ignore_fresh_unbacked_symbols():  # bound by the region's input, not by an op
+                    fresh[expr] = shape_env.create_unbacked_symint().node.expr
+    if not fresh:
+        return examples
+
+    def plain(d):
+        if not isinstance(d, torch.SymInt):
+            return d
+        expr = d.node.expr.xreplace(fresh)
+        return d if expr == d.node.expr else shape_env.create_symintnode(expr, hint=None)
+
+    remade = []
+    for value in examples:
+        if isinstance(value, torch.SymInt):
+            value = plain(value)
+        elif isinstance(value, torch.Tensor) and any(d.node.expr.xreplace(fresh) != d.node.expr for d in _sizes(value)):
+            with mode:
+                value = torch.empty_strided([plain(d) for d in value.shape], [plain(d) for d in value.stride()],
+                                            dtype=value.dtype, device=value.device, requires_grad=value.requires_grad)
+        remade.append(value)
+    return remade
 
 
 def _replace(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], name: str, module: torch.nn.Module) -> None:

@@ -19,11 +19,13 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from ..ops.decompositions import compute_decompositions
 from ..passes.schedule.overlap import overlap_collectives
 from ..plan import COMPUTE_MODES, default_compute
 from .compile_regions import HookPoints, Hooks, compile_regions, default_hooks, mark_regions
 from .program import Program
 from .remat import partition_fn
+from .shared_gemms import merging_gemms
 from .sharding import shard_parameters
 
 GraphRunner = Callable[[fx.GraphModule], Callable]
@@ -46,6 +48,7 @@ def compile_training(
     compute: str | None = None,
     hooks: HookPoints | None = None,
     activation_memory_budget: float | None = None,
+    decompose: bool | None = None,
 ) -> Callable:
     """aot_autograd over `gm`; each scheduled graph goes to `forward`/`backward`, which
     return the callable that runs it. Returns the differentiable compiled function.
@@ -57,6 +60,8 @@ def compile_training(
     ends after): where the runtime acts in that graph (default: after every gradient output
     in backward). `activation_memory_budget`: the plan's; the forward saves about that share
     of its activations and the backward recomputes the rest (`remat`; None saves all).
+    `decompose` (default: compute is "inductor"): open commfx's compute ops into aten ops
+    around the grouped GEMMs (`ops/decompositions.py`) for Inductor to fuse.
     """
     compute = compute or default_compute()
     if compute not in COMPUTE_MODES:
@@ -73,6 +78,11 @@ def compile_training(
 
     compilers = {"fw_compiler": scheduled(forward, "forward"), "bw_compiler": scheduled(backward, "backward"),
                  "partition_fn": partition_fn(activation_memory_budget)}
+    if decompose is None:
+        decompose = compute == "inductor"
+    if decompose:
+        compilers["decompositions"] = compute_decompositions()
+        compilers["partition_fn"] = merging_gemms(compilers["partition_fn"])
     if fake_inputs:
         return aot_module_simplified(gm, list(example_inputs), **compilers)
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
@@ -100,7 +110,7 @@ def lower(
         return runner
 
     compile_training(program.gm, example_inputs, forward=keep("forward"), backward=keep("backward"), dynamic=True, compute="interpret",
-                     activation_memory_budget=activation_memory_budget)
+                     activation_memory_budget=activation_memory_budget, decompose=compute == "inductor")
     if "backward" not in graphs:
         raise RuntimeError("aot_autograd produced no backward graph (does any parameter require grad?)")
     if compute == "inductor":

@@ -19,8 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..kernels import grouped_mm, grouped_mm_weight_grad
 from .autocast import register_autocast
+from .grouped_gemm import grouped_mm, grouped_mm_weight_grad
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -137,8 +137,7 @@ def _dispatch_layout(indices: torch.Tensor, num_experts: int, capacity_factor: f
     order = torch.argsort(flat, stable=True)  # assignments by expert, token order within one
     counts = expert_counts(flat, num_experts)
     if capacity_factor <= 0:
-        slot = torch.empty_like(order)
-        slot[order] = torch.arange(order.numel(), device=order.device)
+        slot = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
         return order // k, counts, slot
     capacity = expert_capacity(n, k, num_experts, capacity_factor)
     starts = torch.cumsum(counts, 0) - counts
@@ -158,7 +157,7 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Assignments per expert, [E] int64: bincount without its host sync (on CUDA bincount
     reads the largest index to size its output; here the size is known)."""
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+    return counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 @moe_dispatch.register_fake
@@ -244,9 +243,8 @@ def moe_combine_backward(
     """Gradients of moe_combine with respect to its rows and its routing weights."""
     n, k = weights.shape
     grad_assign = (grad_out.unsqueeze(1) * weights.to(rows.dtype).unsqueeze(-1)).reshape(n * k, rows.shape[1])
-    grad_rows = rows.new_zeros((rows.shape[0] + 1, rows.shape[1]))  # dropped assignments land in a spare row
-    grad_rows[torch.where(slot >= 0, slot, rows.shape[0])] = grad_assign
-    grad_rows = grad_rows[: rows.shape[0]]
+    spare = rows.new_zeros((rows.shape[0] + 1, rows.shape[1]))  # dropped assignments land in a spare row
+    grad_rows = spare.index_put((torch.where(slot >= 0, slot, rows.shape[0]),), grad_assign)[: rows.shape[0]]
     picked = _gather_assignments(rows, slot).view(n, k, rows.shape[1])
     grad_weights = (picked * grad_out.unsqueeze(1)).sum(-1).to(weights.dtype)
     return grad_rows, grad_weights
@@ -369,12 +367,12 @@ def group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> 
     for each of its local experts e (source-major). The experts want expert-major order.
     `inverse=True` goes back (before the combine all-to-all).
     """
+    if counts.shape[0] == 1:  # one source: source-major is already expert-major
+        return rows.clone()
     order = _source_to_expert_order(counts, rows.shape[0])
     if inverse:
-        out = torch.empty_like(rows)
-        out[order] = rows
-        return out
-    return rows[order]
+        return torch.empty_like(rows).index_copy_(0, order, rows)
+    return rows.index_select(0, order)
 
 
 def _source_to_expert_order(counts: torch.Tensor, total: int) -> torch.Tensor:
