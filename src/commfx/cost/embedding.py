@@ -18,6 +18,10 @@ An untied LM head whose logits feed only the loss (`lift_heads`) has its own two
 Time is collectives x (latency + per-collective overhead) + bytes / link bandwidth, with
 the topology's figures (the inter-node link when ranks span nodes). The sharded table's
 two forward all-to-alls sit on the critical path; the others overlap backward.
+
+Under `schedule=2d` the row gradients go in two parts, the rows the next batch reads first
+(`next_share`: under the same uniform ids, the share of a rank's touched rows that R ranks'
+next batches of T tokens read is 1 - (1 - 1/V)^(T R)), then the rest.
 """
 
 from __future__ import annotations
@@ -82,6 +86,14 @@ def estimate_head(rows: int, width: int, dtype_bytes: int, tokens: int, topology
     per_token = 2 * width * dtype_bytes + ID_BYTES + 2 * parts * dtype_bytes
     shard = make("shard", (parts - 1) * (tokens * per_token + 2 * ID_BYTES), 6, shard_problem(rows, parts))
     return {"shard": shard, "dense": dense}
+
+
+def next_share(rows: int, tokens: float, readers: int = 1) -> float:
+    """The share of one rank's touched rows that `readers` ranks' next batches of `tokens`
+    ids each also read, under uniform ids over `rows` rows (schedule=2d's urgent part)."""
+    if rows <= 0 or tokens <= 0:
+        return 0.0
+    return 1.0 - (1.0 - 1.0 / rows) ** (tokens * max(readers, 1))
 
 
 def choose(estimates: dict[str, Estimate]) -> Estimate:

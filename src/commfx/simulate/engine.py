@@ -8,11 +8,15 @@ overhead plus link latency per step), then shares the links with the others in f
 (processor sharing: n on the wire each progress at 1/n). A wait blocks compute until its
 collective is done; gradients go out bucket by bucket (`buckets.make_buckets`, the
 runtime's rule) in chunks of the plan's gradient chunk, in the `grad` class. The step
-ends when the optimizer has stepped, after every collective finished.
+ends when the optimizer has stepped, after every collective finished, but for the row
+exchanges `split_embedding_comm:schedule=2d` posts into the next step (`rows`): such a
+workload runs two steps, the second's lookups waiting for the first's rows, and the second
+is the step reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,9 +27,10 @@ from ..runtime.priority import Pending, next_lane
 from ..runtime.trace import ComputeSpan, Timeline
 from .cluster import Cluster
 from .collectives import LinkLoad, group_of_rank0, link_load
-from .workload import Comm, Workload
+from .workload import Comm, Item, Workload
 
 GRAD_CLASS = "grad"
+STEP_IDS = 1 << 40  # the second simulated step's collective ids start here
 
 
 @dataclass
@@ -91,6 +96,10 @@ class Simulation:
         self.timeline = Timeline(0)
         self.history: list[Pending] = []
         self.groups: dict[str, list[int]] = {}
+        self.offset = 0  # added to this step's collective ids (`run`)
+        self.posted: dict[str, list[int]] = {}  # table -> row exchanges posted this step (schedule=2d)
+        self.carried: dict[str, list[int]] = {}  # table -> those the step before posted
+        self.deferred: set[int] = set()  # every posted exchange: the optimizer step does not wait for them
 
     # ------------------------------------------------------------------ the comm side
 
@@ -152,8 +161,24 @@ class Simulation:
     # ------------------------------------------------------------------ the compute side
 
     def run(self) -> Result:
-        device, dtype = self.cluster.device, "bf16" if self.plan.precision == "bf16" else "fp32"
-        t, compute, blocked, collectives = 0.0, 0.0, 0.0, 0
+        """One training step; two where row exchanges run into the next step
+        (split_embedding_comm:schedule=2d posts them in the backward and the next forward
+        waits for them), of which the second, the steady state, is reported."""
+        steps = 2 if any(item.what == "post" for item in self.workload.items) else 1
+        if steps == 2:
+            self.priority = True  # the row schedule turns priority on (RowSchedule.attach)
+        t = start = 0.0
+        for index in range(steps):
+            start, self.offset = t, index * STEP_IDS
+            self.carried, self.posted = self.posted, {}
+            self.comm_busy = self.inter = self.intra = 0.0
+            t, compute, blocked, collectives = self._step(t)
+            self.timeline.step(index, start, t)
+        return Result(t - start, compute, self.comm_busy, blocked, self.inter, self.intra, collectives, self._memory(), self.timeline, self.history)
+
+    def _step(self, t: float) -> tuple[float, float, float, int]:
+        """The workload's items once, from `t`: (end, compute, blocked on communication, collectives)."""
+        compute, blocked, collectives = 0.0, 0.0, 0
         buckets = self._buckets()
         ready: set[str] = set()
         next_bucket = 0
@@ -176,29 +201,39 @@ class Simulation:
             if item.what == "compute":
                 if item.phase == "optimizer":
                     start = t
-                    for comm_id in [f.comm.id for f in self.wire] + [f.comm.id for q in self.lanes.values() for f in q]:
+                    pending = [f.comm.id for f in self.wire] + [f.comm.id for q in self.lanes.values() for f in q]
+                    for comm_id in (c for c in pending if c not in self.deferred):
                         self.advance(float("inf"), stop_at=comm_id)
                         t = max(t, self.done[comm_id])
                     if t > start:
                         self.timeline.spans.append(ComputeSpan("grads", "wait for gradients", "optimizer", start, t, True))
                         blocked += t - start
-                seconds = device.op_seconds(item.flops, item.nbytes, dtype)
-                self.advance(t + seconds)
-                self.timeline.spans.append(ComputeSpan(item.name, item.label, item.phase, t, t + seconds, False))
+                seconds = self._compute(item, item.label, t)
                 t += seconds
                 compute += seconds
-            elif item.what == "start":
+            elif item.what in ("start", "post"):
+                comm = self._own(item.comm)
                 self.advance(t)
-                self.submit(item.comm, t)
+                self.submit(comm, t)
                 collectives += 1
-            elif item.what == "wait":
+                if item.what == "post":  # schedule=2d: waited by the next step's lookup, not by the optimizer
+                    self.posted.setdefault(item.label, []).append(comm.id)
+                    self.deferred.add(comm.id)
+            elif item.what in ("wait", "settle"):
+                ids = [item.comm_id + self.offset] if item.what == "wait" else self.carried.get(item.label, [])
                 self.advance(t)
-                self.wait(item.comm_id)
-                end = max(t, self.done[item.comm_id])
+                end = t
+                for ident in ids:
+                    self.wait(ident)
+                    end = max(end, self.done[ident])
                 if end > t:
-                    self.timeline.spans.append(ComputeSpan(item.name, "wait", item.phase, t, end, True))
+                    self.timeline.spans.append(ComputeSpan(item.name, "wait" if item.what == "wait" else "wait for rows", item.phase, t, end, True))
                 blocked += end - t
                 t = end
+                if item.what == "settle":  # the table's rows are in: add them up and step the table
+                    seconds = self._compute(item, f"step {item.label}", t)
+                    t += seconds
+                    compute += seconds
             elif item.what == "grads":
                 ready.update(item.params)
                 self.advance(t)
@@ -211,8 +246,19 @@ class Simulation:
             end = self._wait_all(gathers, t)
             blocked += end - t
             t = end
-        self.timeline.step(0, 0.0, t)
-        return Result(t, compute, self.comm_busy, blocked, self.inter, self.intra, collectives, self._memory(), self.timeline, self.history)
+        return t, compute, blocked, collectives
+
+    def _compute(self, item: Item, label: str, at: float) -> float:
+        """Run `item`'s compute from `at` (the links go on meanwhile); its seconds."""
+        dtype = "bf16" if self.plan.precision == "bf16" else "fp32"
+        seconds = self.cluster.device.op_seconds(item.flops, item.nbytes, dtype)
+        self.advance(at + seconds)
+        self.timeline.spans.append(ComputeSpan(item.name, label, item.phase, at, at + seconds, False))
+        return seconds
+
+    def _own(self, comm: Comm) -> Comm:
+        """`comm` as this step's (its id apart from the same collective's in the step before)."""
+        return dataclasses.replace(comm, id=comm.id + self.offset) if self.offset else comm
 
     def _buckets(self) -> list[tuple[str, list[str], float]]:
         names = list(self.workload.params)
@@ -229,7 +275,7 @@ class Simulation:
         for i in range(count):
             size = min(chunk, nbytes - i * chunk)
             kind = "reduce_scatter" if self.zero >= 2 else "all_reduce"
-            comm = Comm(-(index * 10_000 + i + 1), kind, f"grad_{kind}", group, GRAD_CLASS, f"bucket {index} chunk {i + 1}/{count}", size)
+            comm = Comm(-(index * 10_000 + i + 1) + self.offset, kind, f"grad_{kind}", group, GRAD_CLASS, f"bucket {index} chunk {i + 1}/{count}", size)
             self.submit(comm, at)
         return count
 
@@ -237,7 +283,7 @@ class Simulation:
         """All-gather every bucket's parameters (shard_states), in bucket order; their ids."""
         ids = []
         for index, (group, _, nbytes) in enumerate(buckets):
-            ident = -(10_000_000 * phase + index + 1)
+            ident = -(10_000_000 * phase + index + 1) + self.offset
             self.submit(Comm(ident, "all_gather", "param_all_gather", group, GRAD_CLASS, f"bucket {index} gather", nbytes), at)
             ids.append(ident)
         return ids

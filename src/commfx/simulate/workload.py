@@ -9,6 +9,8 @@ that holds any of its experts). The backward is the forward mirrored: compute tw
 FLOPs (expert FFNs 8/3: they recompute their hidden layer), each all-to-all reversed (its
 wait in the forward is where the backward starts it, and its start where the backward
 waits), and each parameter's gradient ready once the backward passes its first use.
+split_embedding_comm's row exchanges are sized, and under schedule=2d posted into the next
+step, by `rows`.
 
 Activations are every compute node's output (an upper bound on what the backward reads).
 Under `Plan(activation_memory_budget=b)` the forward keeps about b of those bytes: the
@@ -53,6 +55,7 @@ class Comm:
     priority: str
     tag: str
     payload: float  # bytes this rank sends
+    reversed_in_backward: bool = True  # an all-to-all waited in the forward: the backward sends its gradients back
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Item:
     comm: Comm | None = None
     comm_id: int = -1
     params: list[str] = field(default_factory=list)  # grads: ready now; forward: first read here
+    backward: list["Item"] = field(default_factory=list)  # rows: what the backward runs in its place (simulate/rows.py)
     saved: float = 0.0  # forward compute: bytes of its output kept for the backward
     recomputable: bool = False  # forward compute: the partition may recompute it (not a commfx op)
     recompute: bool = False  # forward compute: dropped under the plan's budget, run again in the backward
@@ -147,7 +151,10 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
     `tokens`): costs read off traced shapes, which are linear in rows at a fixed sequence
     length, are multiplied by it; parameters' and gradients' bytes are not."""
     dtype_bytes = 2 if plan.precision == "bf16" else 4
+    from .rows import RowTables
+
     blocks = _Blocks(program, plan, tokens, dtype_bytes)
+    tables = RowTables(program)
     forward: list[Item] = []
     started: dict[fx.Node, Comm] = {}
     first_use: dict[str, int] = {}
@@ -170,7 +177,10 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
             forward.append(Item("wait", node.name, "forward", comm_id=started[node.args[0]].id))
             continue
         rows = 1.0 if node in constant else scale
+        forward += tables.before(node, name, counter, rows)  # schedule=2d: the table's rows of the step before
         comm = _comm_of(node, name, blocks, next(counter), rows)
+        if comm is not None and name == "embedding_all_to_all":
+            tables.size(comm, node, rows)
         if comm is not None:
             forward.append(Item("start", node.name, "forward", comm=comm))
             if name in SPLIT_PHASE:
@@ -187,7 +197,8 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
                                 recomputable=recomputable(node.target)))
             activation += saved
         if name == "sparse_grad_embedding":
-            forward.append(_row_grad_exchange(node, next(counter), rows))
+            forward.append(_row_grad_exchange(node, next(counter), rows, tables))
+        forward += tables.after(node, name, counter, rows)  # schedule=2d: its rows posted by the backward
     for param, index in first_use.items():  # the item that first reads a parameter (shard_states:stage=3 gathers it before)
         if index < len(forward):
             forward[index].params.append(param)
@@ -203,7 +214,8 @@ def build_workload(program: Program, plan: Plan, tokens: int, scale: float = 1.0
     params = _parameters(program, plan)
     # AdamW reads and writes p, g, m, v; under shard_states each rank steps its shard only
     parts = {name: len(ranks[0]) for name, ranks in plan.topology.process_groups().items()} if program.runtime.shard_states else {}
-    optimizer_bytes = sum(numel * size * 8 / parts.get(group, 1) for numel, size, group in params.values())
+    optimizer_bytes = sum(numel * size * 8 / parts.get(group, 1) for name, (numel, size, group) in params.items()
+                          if name not in tables.deferred)  # a schedule=2d table is stepped at its next lookup
     items = forward + backward + [Item("compute", "optimizer.step", "optimizer", label="optimizer step", nbytes=optimizer_bytes)]
     if not blocks.blocks and any(i.comm and i.comm.payload == 0 for i in items):
         notes.append("some collectives could not be sized from the graph and count as latency only")
@@ -239,15 +251,16 @@ def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int, scale: float
     return None
 
 
-def _row_grad_exchange(node: fx.Node, ident: int, scale: float) -> Item:
+def _row_grad_exchange(node: fx.Node, ident: int, scale: float, tables) -> Item:
     """split_embedding_comm's replicated-sparse table: its backward (`exchange_row_grads`)
     coalesces the rows' gradients per unique id and sends them, with their ids, to every rank
-    of the group. Sized as if every token's id were unique (an upper bound)."""
+    of the group: one pair per row touched, at most one per token and one per table row
+    (`rows.RowTables`, an upper bound)."""
     _, _, _, group, parts, _, priority = node.args
     value = _value(node)
     rows = scale * _tensor_bytes(value)
-    ids = 8 * rows / (hint(value.shape[-1]) * value.element_size())  # an int64 id a row
-    payload = parts * (rows + ids)
+    row_bytes = hint(value.shape[-1]) * value.element_size()
+    payload = parts * tables.pairs_bytes(node.args[0], rows / row_bytes, row_bytes)
     comm = Comm(ident, "all_to_all", "all_to_all", group, priority, "embedding row grads", payload)
     return Item("exchange", node.name, "forward", label="exchange_row_grads", nbytes=3 * rows, comm=comm)
 
@@ -302,9 +315,11 @@ def _mirror(forward: list[Item], counter, first_use: dict[str, int]) -> list[Ite
         elif item.what == "exchange":  # a backward-only exchange: coalesce, send, wait
             backward += [Item("compute", item.name, "backward", label=item.label, nbytes=item.nbytes),
                          Item("start", item.name, "backward", comm=item.comm), Item("wait", item.name, "backward", comm_id=item.comm.id)]
+        elif item.what == "rows":  # schedule=2d: coalesce, then post the rows into the next step
+            backward += item.backward
         elif item.what == "wait":
             comm = _find_comm(forward, item.comm_id)
-            if comm.kind == "all_to_all" and comm.payload > 64:
+            if comm.kind == "all_to_all" and comm.payload > 64 and comm.reversed_in_backward:
                 bw = Comm(next(counter), comm.kind, comm.label, comm.group, comm.priority, f"{comm.tag} (bw)", comm.payload)
                 reverse[comm.id] = bw
                 backward.append(Item("start", item.name, "backward", comm=bw))

@@ -1,0 +1,66 @@
+"""commfx simulate and plan with split_embedding_comm:schedule=2d (simulate/rows.py): the row
+exchange leaves the backward, runs into the next step (next-batch rows ahead of the gradient
+all-reduce, the rest behind it) and the next forward's lookup waits for it; the engine runs
+two steps and reports the second. On a communication-bound config the 2d step is shorter than
+the step schedule's, and where compute dominates it is close.
+
+The model (tests/model_files/late_lookup.py) reads its table after dense layers, so there is
+forward compute for the exchange to overlap. The cluster is the emulated one with an NCCL-like
+launch cost per collective (20 us): gloo's fitted 0.5 ms would charge the three small exchanges
+schedule=2d adds per table more than the overlap saves on a model this small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from commfx.plan import Plan
+from commfx.simulate import Captures, load_cluster, simulate
+
+MODEL = f"{Path(__file__).parent / 'model_files' / 'late_lookup.py'}:build"
+CAPTURES = Captures()  # one trace of the model for every test here
+
+
+def _cluster(link: str):
+    return dataclasses.replace(load_cluster("emulated").with_layout(2, 1, link), collective_overhead_s=20e-6)
+
+
+def _both(strategy: str, link: str):
+    cluster = _cluster(link)
+    base = f"lift,split_embedding_comm:strategy={strategy}"
+    return [simulate(MODEL, Plan.from_cli(p, world_size=2, ranks_per_node=1), cluster, captures=CAPTURES).result
+            for p in (base, f"{base};schedule=2d")]
+
+
+@pytest.mark.parametrize("strategy", ["sparse", "shard"])
+def test_on_a_communication_bound_config_the_2d_step_is_shorter(strategy):
+    step, later = _both(strategy, "300mbit")
+    assert step.comm_s > step.compute_s  # the premise: communication-bound
+    assert later.step_s < step.step_s and later.exposed_comm_s < step.exposed_comm_s
+    assert later.inter_node_bytes >= step.inter_node_bytes  # the same rows (and a little more) still cross: nothing is free
+    # the step schedule waits for the rows inside its backward; 2d does not, and the step is the second of two
+    assert len(step.timeline.steps) == 1 and len(later.timeline.steps) == 2
+    rows = [p for p in later.history if p.priority in ("rows_next", "rows_later")]
+    assert {p.priority for p in rows} == {"rows_next", "rows_later"}
+    first_end = later.timeline.steps[0][2]
+    assert any(p.t_submit < first_end for p in rows) and any(p.t_submit >= first_end for p in rows)
+    # closer to max(compute, wire) than the step schedule, which pays about their sum
+    assert later.step_s - max(later.compute_s, later.comm_s) < step.step_s - max(step.compute_s, step.comm_s)
+
+
+@pytest.mark.parametrize("strategy", ["sparse", "shard"])
+def test_where_compute_dominates_the_2d_step_is_close(strategy):
+    step, later = _both(strategy, "10gbit")
+    assert step.compute_s > 5 * step.comm_s  # the premise: compute-dominated
+    assert abs(later.step_s - step.step_s) <= 0.08 * step.step_s
+
+
+def test_a_slow_link_makes_the_next_forward_wait_for_the_rows():
+    """When the rows cannot arrive in the window before the lookup, the lookup waits for them."""
+    _, later = _both("sparse", "20mbit")
+    waits = [s for s in later.timeline.spans if s.blocked and s.op == "wait for rows" and s.start >= later.timeline.steps[1][1]]
+    assert waits and max(s.end - s.start for s in waits) > 0
+
