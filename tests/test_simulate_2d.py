@@ -2,7 +2,7 @@
 exchange leaves the backward, runs into the next step (next-batch rows ahead of the gradient
 all-reduce, the rest behind it) and the next forward's lookup waits for it; the engine runs
 two steps and reports the second. On a communication-bound config the 2d step is shorter than
-the step schedule's, and where compute dominates it is close.
+the step schedule's, where compute dominates it is close, and commfx plan offers and ranks it.
 
 The model (tests/model_files/late_lookup.py) reads its table after dense layers, so there is
 forward compute for the exchange to overlap. The cluster is the emulated one with an NCCL-like
@@ -19,6 +19,7 @@ import pytest
 
 from commfx.plan import Plan
 from commfx.simulate import Captures, load_cluster, simulate
+from commfx.simulate.search import Candidate, Facts, extensions, search
 
 MODEL = f"{Path(__file__).parent / 'model_files' / 'late_lookup.py'}:build"
 CAPTURES = Captures()  # one trace of the model for every test here
@@ -64,3 +65,17 @@ def test_a_slow_link_makes_the_next_forward_wait_for_the_rows():
     waits = [s for s in later.timeline.spans if s.blocked and s.op == "wait for rows" and s.start >= later.timeline.steps[1][1]]
     assert waits and max(s.end - s.start for s in waits) > 0
 
+
+def test_plan_offers_schedule_2d_and_ranks_it_by_the_simulated_step():
+    cluster = _cluster("300mbit")
+    grown = [c.passes for c in extensions(Candidate("lift,expert_parallel"), "embedding", Facts(8, 2, untied_tables=1), cluster)]
+    assert grown == ["lift,expert_parallel", "lift,expert_parallel,split_embedding_comm",
+                     "lift,expert_parallel,split_embedding_comm:schedule=2d"]
+    assert extensions(Candidate("lift"), "embedding", Facts(untied_tables=0), cluster) == [Candidate("lift")]
+    result = search(MODEL, cluster, memory_limit=cluster.device.memory_bytes)
+    steps = {r.candidate.command_args(): r.step_s for r in result.fitting}
+    later, step = "--passes lift,split_embedding_comm:schedule=2d", "--passes lift,split_embedding_comm"
+    assert later in steps and step in steps
+    assert steps[later] < steps[step]  # ranked by the simulated step: 2d ahead here
+    order = [r.step_s for r in result.fitting]
+    assert order == sorted(order)

@@ -25,7 +25,8 @@ def add_parser(subparsers) -> None:
         description=(
             "Enumerate the plans commfx simulate models (expert parallelism at each ep size, partition_a2a k, "
             "pack_experts degree, tp inside a node, pp with micro-batches and compress_pipeline rank, "
-            "locality_gate for top-1 routers, split_embedding_comm for untied tables, "
+            "locality_gate for top-1 routers, split_embedding_comm for untied tables (row gradients exchanged in the backward, "
+            "or with schedule=2d into the next forward), "
             "shard_states 1-3, bf16, and activation recomputation budgets for plans over the memory limit), simulate each on the "
             "cluster, drop those over the memory limit and print the "
             f"best by predicted step, with what each saves against naive expert parallelism. Example: {EXAMPLE}"

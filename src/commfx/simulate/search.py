@@ -6,7 +6,8 @@ every ep size that divides the world and the experts, partitioned all-to-all
 per device of that ep), tensor parallelism inside a node (tp 2, 4, 8), pipelines (pp up to
 the model's layers, pp or 4 pp micro-batches) and their boundary compression
 (`compress_pipeline:rank` 4, 16, 64), the locality gate (top-1 routers, experts on more
-than one node), sparse embedding communication (untied tables), ZeRO stages 1-3, bf16
+than one node), sparse embedding communication (untied tables; `schedule=2d` beside the
+default: row gradients exchanged into the next forward), ZeRO stages 1-3, bf16
 where the device has a bf16 rate, and activation recomputation (`--activation-memory-budget`
 0.5, 0.25, 0.1), tried on the fastest plans over the memory limit. The search is a beam
 over those dimensions in that order: the MoE communication structure is enumerated in
@@ -205,7 +206,7 @@ def extensions(candidate: Candidate, dimension: str, facts: Facts, cluster: Clus
     elif dimension == "locality" and facts.top_k == 1 and "expert_parallel" in passes and cluster.nodes > 1:
         out.append(candidate.with_passes(passes.replace("lift,", "lift,locality_gate,", 1)))
     elif dimension == "embedding" and facts.untied_tables:
-        out.append(candidate.with_passes(f"{passes},split_embedding_comm"))
+        out += [candidate.with_passes(f"{passes},split_embedding_comm{options}") for options in ("", ":schedule=2d")]
     elif dimension == "sharding":
         out += [candidate.with_passes(f"{passes},shard_states:stage={s}") for s in (1, 2, 3)]
     elif dimension == "precision" and "bf16" in cluster.device.flops:
@@ -253,6 +254,9 @@ def search(
         for dimension in DIMENSIONS:
             # model parallelism re-lays out the experts a structure was sized for: grow the plain ones too
             seeds = best + [r for r in plain if r not in best] if dimension in ("tensor", "pipeline") else best
+            if dimension == "embedding":  # split_embedding_comm refuses pipelines: grow the best plans without one too
+                flat = _best([r for r in planner.seen.values() if r.candidate.pp == 1], beam)
+                seeds = best + [r for r in flat if r not in best]
             if dimension == "recompute":  # recomputation only pays where memory is short: the fastest plans over the limit
                 seeds = sorted((r for r in planner.seen.values() if not r.refused and not r.fits), key=Ranked.key)[:beam]
             grown = [planner.run(c) for r in seeds for c in extensions(r.candidate, dimension, facts, cluster)]
