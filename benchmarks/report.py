@@ -552,15 +552,23 @@ class Report:
                  "yes" if r["predicted_order"] == r["measured_order"] else "no"] for r in ranking]
         runs = sorted({c["run"] for c in p["comparisons"]})
         within = re.search(r"within_(\d+)_percent", " ".join(s)).group(1)  # the threshold the JSON's own key names
+        fitted = s["fitted_runs"]
+        automatic = [c for c in p["comparisons"] if c["choices"]]
+        own = sum(1 for c in automatic if "not recorded" not in c["figures"])
         lines = [f"`benchmarks/prediction_error.py` (`prediction_error_emulated.json`): {s['plans']} commfx plans of {len(runs)} runs "
-                 f"simulated on the `emulated` preset: step error median {pct(s['step_error_median'], False)}, worst "
+                 f"simulated on the `emulated` preset. Of the {len(automatic)} with automatic choices (k=auto and the like), {own} "
+                 f"compiled with the cost models' figures their run compiled with; {s['choices_checked']} had their choices checked "
+                 f"against the run's, the runs of {s['choices_not_recorded']} did not record theirs. Step error median {pct(s['step_error_median'], False)}, worst "
                  f"{pct(s['step_error_worst'], False)}, {s['within_15_percent']} within {within}%; ratio to the run's first plan, "
-                 f"median {pct(s['ratio_error_median'], False)} off, worst {pct(s['ratio_error_worst'], False)}. Which runs "
-                 "fitted the preset is not recorded, so this is not an out-of-sample error.", "",
+                 f"median {pct(s['ratio_error_median'], False)} off, worst {pct(s['ratio_error_worst'], False)}. Out of sample: "
+                 f"the {len(fitted)} cited runs the preset was fitted to (its `fitted_to`, `src/commfx/clusters/emulated.toml`: "
+                 + ", ".join(f"`{name}`" for name in fitted) + ") are left out"
+                 + (f"; {s['mismatched_runs']} more because the simulator did not make their automatic choices." if s["mismatched_runs"] else "."),
+                 "",
                  "`benchmarks/plan_ranking.py` (`plan_ranking_emulated.json`): the search's first choice against the best measured plan:", "",
                  table(["run", "candidates", "first choice ÷ best measured", "order right"], rows)]
         self.row("**Simulator**", f"step error median {pct(s['step_error_median'], False)}, worst {pct(s['step_error_worst'], False)} "
-                 f"over {s['plans']} plans (fitting and test runs not separated)", "the runs' own measurements", "each run's", "`emulated` preset at each run's",
+                 f"over {s['plans']} plans of runs the preset was not fitted to", "the runs' own measurements", "each run's", "`emulated` preset at each run's",
                  "projected against measured", "not recorded", ["prediction_error_emulated.json", "plan_ranking_emulated.json"])
         return "\n".join(lines)
 
