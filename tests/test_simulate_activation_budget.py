@@ -59,6 +59,10 @@ def test_plan_recomputes_to_fit_a_device_the_plain_plan_overflows(tmp_path, caps
     cluster = load_cluster(str(cluster_file)).with_layout(1, 1)
     plan = dataclasses.replace(Plan.from_cli(passes, world_size=1), activation_memory_budget=budget)
     assert simulate("gpt-moe", plan, cluster).result.memory["total"] <= device_bytes
+    # Given candidates of which none fits are tried with recomputation too.
+    assert main(["plan", "gpt-moe", "--cluster", str(cluster_file), "--world", "1", "--candidate", "lift"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"chosen: commfx run gpt-moe --passes lift --activation-memory-budget 0\.\d+", out), out
 
 
 def test_simulate_takes_the_budget_on_the_command_line(tmp_path):

@@ -47,7 +47,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages of the --candidate plans (with pipeline_split in them)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the --candidate plans (with tensor_parallel)")
     parser.add_argument("--activation-memory-budget", type=budget, default=None, metavar="B",
-                        help=f"of the --candidate plans (the search tries 0.5, 0.25 and 0.1 on plans over the limit): {ACTIVATION_BUDGET_HELP}")
+                        help=f"of the --candidate plans (the search tries 0.5, 0.25 and 0.1 on plans over the limit, and on every "
+                             f"--candidate plan when none fits): {ACTIVATION_BUDGET_HELP}")
     parser.add_argument("--emit", metavar="FILE", help="write the chosen plan's --passes string here")
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch size (default: the model's)")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model config override (repeatable)")

@@ -9,7 +9,8 @@ the model's layers, pp or 4 pp micro-batches) and their boundary compression
 than one node), sparse embedding communication (untied tables; `schedule=2d` beside the
 default: row gradients exchanged into the next forward), ZeRO stages 1-3, bf16
 where the device has a bf16 rate, and activation recomputation (`--activation-memory-budget`
-0.5, 0.25, 0.1), tried on the fastest plans over the memory limit. The search is a beam
+0.5, 0.25, 0.1), tried on the fastest plans over the memory limit (on every `--candidate`
+plan when none fits). The search is a beam
 over those dimensions in that order: the MoE communication structure is enumerated in
 full, then each dimension extends the best few plans so far (a dimension's choices barely
 interact with the ones already made, and the full product is hundreds of plans). Plans are ranked by predicted step among those that
@@ -245,8 +246,12 @@ def search(
     planner = Planner(model, cluster, memory_limit, dict(model_kwargs or {}), seed, rows_per_rank)
     facts = planner.facts()
     if candidates is not None:
-        for candidate in candidates:
-            planner.run(candidate)
+        given = [planner.run(candidate) for candidate in candidates]
+        if given and not any(r.fits and not r.refused for r in given):  # none fits: each recomputes activations too
+            for r in given:
+                if not r.refused:
+                    for candidate in extensions(r.candidate, "recompute", facts, cluster)[1:]:
+                        planner.run(candidate)
         baseline = planner.run(candidates[0]) if candidates else None
     else:
         best = _best([planner.run(c) for c in structures(facts, cluster.world_size)], beam)
