@@ -93,6 +93,8 @@ def _check_result(result: dict, stdout: str, **model_kwargs) -> None:
             assert 0 < timing["min_s"] <= timing["median_s"] <= timing["max_s"]
         assert plan["replay_bound_s"] == max(plan["compute_only"]["median_s"], plan["comm_only"]["median_s"])
         assert "overlap_bound_s" not in plan
+        compiled = plan["compiled_with"]  # what `commfx simulate --validate` compiles the plan with
+        assert compiled["machine"] == "measure" and compiled["figures"]["flops_per_s"] > 0 and compiled["choices"] == {}
         _check_wire(result, plan)
     for label, kinds in _expected_inter_node_bytes(**model_kwargs).items():
         measured = plans[label]["bytes_per_step"]
