@@ -10,10 +10,10 @@ than one node), sparse embedding communication (untied tables; `schedule=2d` bes
 default: row gradients exchanged into the next forward), ZeRO stages 1-3, bf16
 where the device has a bf16 rate, and activation recomputation (`--activation-memory-budget`
 0.5, 0.25, 0.1), tried on the fastest plans over the memory limit (on every `--candidate`
-plan when none fits). The search is a beam
-over those dimensions in that order: the MoE communication structure is enumerated in
-full, then each dimension extends the best few plans so far (a dimension's choices barely
-interact with the ones already made, and the full product is hundreds of plans). Plans are ranked by predicted step among those that
+plan when none fits). The search is a beam over those dimensions in that order: the MoE
+communication structure is enumerated in full, then each dimension extends the best few
+plans so far (a dimension's choices barely interact with the ones already made, and the
+full product is hundreds of plans). Plans are ranked by predicted step among those that
 fit the memory limit (the simulator's held bytes per rank, activations included); a plan a
 pass refuses is listed with the pass's reason. The model is traced once (`Captures`).
 """
