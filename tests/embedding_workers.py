@@ -1,6 +1,8 @@
 """What every rank runs in the split_embedding_comm distributed tests (imported by the workers)."""
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -184,12 +186,65 @@ def _stream_loss(out, rows, step, world_size, rank):
     return (out * split_batch(probes([out], rows, step)[0], world_size, rank)).sum()
 
 
+class _HeldWork:
+    """A collective issued only once `gate` opens (at most `timeout_s` later), on a thread of
+    its own: the dispatcher sees a work whose future completes when the collective has."""
+
+    def __init__(self, issue, gate: threading.Event, timeout_s: float):
+        self.future = torch.futures.Future()
+        threading.Thread(target=self._run, args=(issue, gate, timeout_s), daemon=True).start()
+
+    def _run(self, issue, gate, timeout_s):
+        gate.wait(timeout_s)
+        try:
+            work = issue()
+            if work is not None:
+                work.wait()
+            self.future.set_result(None)
+        except BaseException as error:  # noqa: BLE001 - handed to the dispatcher
+            self.future.set_exception(error)
+
+    def get_future(self):
+        return self.future
+
+
+class HoldLater:
+    """Holds every rows_later exchange a step posts on the wire until `release()` (called
+    after the next step's forward), on every rank alike: a lookup that waited for them
+    would stall for `timeout_s`, then see them arrive before it stepped any row."""
+
+    def __init__(self, dispatcher, timeout_s: float = 20.0):
+        self.gate, self.timeout_s = threading.Event(), timeout_s
+        submit = dispatcher.submit
+
+        def held(pending):
+            if pending.priority == "rows_later" and pending.issue is not None:
+                issue, gate = pending.issue, self.gate
+                pending.issue = lambda: _HeldWork(issue, gate, self.timeout_s)
+            return submit(pending)
+
+        dispatcher.submit = held
+
+    def release(self) -> None:
+        self.gate.set()
+        self.gate = threading.Event()
+
+
+def _optimizer_state(dm, optimizer) -> dict:
+    names = {id(p): n for n, p in dm.module.named_parameters()}
+    return {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for p, state in optimizer.state.items()}
+
+
 def train_stream(rank: int, world_size: int, rows: int, plans: list[str], optimizers: list[str], steps: int,
-                 next_batch: bool = True, save_at: int = 0, checkpoint_dir: str = "") -> dict:
-    """Per plan and optimizer: the losses and parameters after `steps` steps on a stream of
-    batches (an LR scheduler halving the rate each step), the 2d schedule told each next
-    batch; with `save_at`, a commfx.save after that step, training on, and a fresh module
-    resumed from the checkpoint trained to the end too ("resumed")."""
+                 next_batch: bool = True, save_at: int = 0, checkpoint_dir: str = "", hold_later: bool = False) -> dict:
+    """Per plan and optimizer: the losses, parameters and optimizer state after `steps` steps
+    on a stream of batches (an LR scheduler halving the rate each step), the 2d schedule
+    told each next batch, and the row schedule's events (what, table, seconds from the
+    first, rows) and an eval call's output after the last step; with `save_at`, a commfx.save after that step, training on, and a fresh
+    module resumed from the checkpoint trained to the end too ("resumed"). `hold_later`:
+    each step's rows_later exchanges stay on the wire until the next step's forward is done
+    (`HoldLater`); the finish times of those exchanges per step are kept ("later_done")."""
     from embedding_lm import build
 
     import commfx
@@ -205,11 +260,13 @@ def train_stream(rank: int, world_size: int, rows: int, plans: list[str], optimi
             dm.attach_optimizer(optimizer)
             return optimizer, _halving(optimizer)
 
-        def run(dm, optimizer, scheduler, first, last, losses):
+        def run(dm, optimizer, scheduler, first, last, losses, hold=None):
             for step in range(first, last):
                 local = split_batch(stream_batch(rows, step), world_size, rank)
                 optimizer.zero_grad(set_to_none=True)
                 out = dm(local)
+                if hold is not None:
+                    hold.release()  # the step before's rows_later may arrive now
                 loss = _stream_loss(out, rows, step, world_size, rank)
                 if next_batch:
                     dm.next_batch(split_batch(stream_batch(rows, step + 1), world_size, rank))
@@ -228,16 +285,32 @@ def train_stream(rank: int, world_size: int, rows: int, plans: list[str], optimi
             caught_up = dm.rows.caught_up
             losses: list[float] = []
             dm.scheduler.dispatcher.history = []
-            run(dm, optimizer, scheduler, 0, steps, losses)
+            dm.rows.events = []
+            hold = HoldLater(dm.scheduler.dispatcher) if hold_later and "schedule=2d" in passes else None
+            start_s = time.perf_counter()
+            run(dm, optimizer, scheduler, 0, steps, losses, hold)
             pending = dm.rows.pending
+            if hold is not None:
+                hold.release()
+            with torch.no_grad():  # an eval call settles every table first
+                evaluated = dm(split_batch(stream_batch(rows, steps), world_size, rank))
+            settled_by_eval = not dm.rows.pending
             dm.synchronize()
             row_bytes: dict[str, int] = {}
+            later_done: dict[str, list[float]] = {}
             for done in dm.scheduler.dispatcher.history:
                 if done.priority.startswith("rows_"):
                     row_bytes[done.priority] = row_bytes.get(done.priority, 0) + done.nbytes
+                if done.priority == "rows_later" and "row grads" in done.tag:
+                    later_done.setdefault(done.tag.split(" row grads")[0], []).append(done.t_done - start_s)
             dm.scheduler.dispatcher.history = None
+            events = [(what, table, t - start_s, count) for what, table, t, count in dm.rows.events]
+            dm.rows.events = None
             result = {"losses": losses, "pending_before_sync": pending, "caught_up": dm.rows.caught_up - caught_up, "row_bytes": row_bytes,
-                      "params": {n: p.detach().clone() for n, p in dm.module.named_parameters()}, "placement": dm.placement}
+                      "params": {n: p.detach().clone() for n, p in dm.module.named_parameters()}, "placement": dm.placement,
+                      "optimizer_state": _optimizer_state(dm, optimizer), "events": events, "later_done": later_done,
+                      "eval": evaluated, "settled_by_eval": settled_by_eval,
+                      "local_rows": {n: p.shape[0] for n, p in dm.module.named_parameters()}}
             if save_at:
                 resumed_dm = fresh()
                 optimizer2, scheduler2 = with_optimizer(resumed_dm, name)

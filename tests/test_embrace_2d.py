@@ -1,9 +1,11 @@
 """split_embedding_comm:schedule=2d (EmbRace's 2D communication scheduling): embedding row
-gradients exchanged into the next forward, the next batch's rows first, each table stepped
-just before its next lookup. Lossless: on a stream of batches (rows no batch reads, rows
-one step updates and the next reads), 4 SGD/Adam/AdamW steps under an LR scheduler give
-schedule=step's losses and parameters and dense data parallelism's (float64), across a
-checkpoint save and resume too; the exchange goes in two priority classes; plan errors."""
+gradients exchanged into the next forward, the next batch's rows first; the next lookup
+waits for those only and steps just the rows it reads, the others are stepped once theirs
+arrive. Lossless: on a stream of batches (rows no batch reads, rows one step updates and
+the next reads), 4 SGD/Adam/AdamW steps under an LR scheduler give schedule=step's losses,
+parameters and optimizer state and dense data parallelism's parameters (float64), across a
+checkpoint save and resume too, and with the other rows held on the wire past the next
+lookup; the exchange goes in two priority classes; plan errors."""
 
 import sys
 from pathlib import Path
@@ -39,17 +41,25 @@ def _whole(results, key, placement):
     return {n: torch.cat([r[key][n] for r in results]) if n in placement else results[0][key][n] for n in results[0][key]}
 
 
-def _check(results, base, optimizers, reference):
+def _check(results, base, optimizers, reference, save_at=0):
     later = f"{base};schedule=2d"
     for name in optimizers:
         step = [r[(base, name)] for r in results]
         two_d = [r[(later, name)] for r in results]
         for s, t in zip(step, two_d):
             assert t["pending_before_sync"] and t["caught_up"] > 0, (later, name)  # rows really were on the wire into the next step
+            assert t["settled_by_eval"] and (s["eval"] - t["eval"]).abs().max() <= 1e-10  # an eval call settles every table
             # the next batch's rows in the urgent class, the others behind the gradients; none under schedule=step
             assert t["row_bytes"].get("rows_next", 0) > 0 and t["row_bytes"].get("rows_later", 0) > 0, t["row_bytes"]
             assert not s["row_bytes"]
             assert max(abs(a - b) for a, b in zip(s["losses"], t["losses"])) <= 1e-10
+        for s, t in zip(step, two_d):  # optimizer state too: moments, momentum, one step count per step
+            assert s["optimizer_state"].keys() == t["optimizer_state"].keys()
+            for param, state in s["optimizer_state"].items():
+                assert state.keys() == t["optimizer_state"][param].keys()
+                for key, value in state.items():
+                    assert (torch.as_tensor(value).double() - torch.as_tensor(t["optimizer_state"][param][key]).double()).abs().max() <= 1e-10, (param, key)
+            _check_split(t, len(t["losses"]), save_at)
         placement = step[0]["placement"]
         difference = _max_difference(_whole(two_d, "params", placement), _whole(step, "params", placement))
         assert difference <= 1e-10, (later, name, difference)
@@ -60,6 +70,28 @@ def _check(results, base, optimizers, reference):
             for s, t in zip(step, resumed):
                 assert max(abs(a - b) for a, b in zip(s["losses"][-len(t["losses"]):], t["losses"])) <= 1e-10
             assert _max_difference(_whole(resumed, "params", placement), _whole(step, "params", placement)) <= 1e-10
+
+
+def _check_split(result, steps, save_at=0):
+    """Each table's missed steps: at each next lookup the rows it reads stepped (a part of
+    the table), then the others, every row once; one a checkpoint (after step `save_at`)
+    or the end of training settled, whole at synchronize()."""
+    tables = {table for _, table, _, _ in result["events"]}
+    assert tables == {"tok.weight", "pos.weight", "kind"}
+    for table in tables:
+        events = [(what, rows) for what, name, _, rows in result["events"] if name == table]
+        stepped = [e for e in events if e[0] != "lookup"]
+        local = result["local_rows"][table]
+        expected = [w for step in range(1, steps + 1) for w in (["whole"] if step in (save_at, steps) else ["next", "later"])]
+        assert [what for what, _ in stepped] == expected, (table, stepped)
+        for index, (what, count) in enumerate(events):
+            if what == "next":
+                assert events[index - 1][0] == "lookup"  # stepped by the lookup, before it reads
+                later = next(e for e in events[index + 1:] if e[0] != "lookup")
+                assert later[0] == "later" and count + later[1] == local
+            assert what != "whole" or count == local
+    tok = [rows for what, name, _, rows in result["events"] if name == "tok.weight" and what == "next"]
+    assert all(0 < rows < result["local_rows"]["tok.weight"] for rows in tok)  # only the rows the batch reads
 
 
 @pytest.mark.distributed
@@ -81,8 +113,42 @@ def test_2d_across_a_checkpoint_save_and_resume(tmp_path):
     plans = [SHARD, f"{SHARD};schedule=2d"]
     args = {"rows": ROWS, "plans": plans, "optimizers": ["adamw"], "steps": STEPS, "save_at": 2, "checkpoint_dir": str(tmp_path / "ckpt")}
     results = launch("embedding_workers:train_stream", 2, args, timeout_s=300, collective_timeout_s=60)
-    _check(results, SHARD, ["adamw"], stream_reference(2, ROWS, ["adamw"], STEPS))
+    _check(results, SHARD, ["adamw"], stream_reference(2, ROWS, ["adamw"], STEPS), save_at=2)
     assert "resumed" in results[0][(f"{SHARD};schedule=2d", "adamw")]
+
+
+def test_the_stream_has_rows_one_step_updates_and_the_next_reads_and_rows_never_read():
+    """The premise of the tests above: some rows of tok are read two steps running, others never."""
+    from embedding_workers import stream_batch
+
+    batches = [set(stream_batch(ROWS, step).flatten().tolist()) for step in range(STEPS + 1)]
+    assert all(a & b and a != b for a, b in zip(batches, batches[1:]))
+    assert not set().union(*batches) & set(range(40, VOCAB))
+
+
+@pytest.mark.distributed
+def test_the_lookup_waits_only_for_its_rows():
+    """Each step's rows_later exchanges are held on the wire until the next step's forward is
+    done: the lookups step the rows they read before those exchanges finish and the other
+    rows after, and the parameters are still dense data parallelism's."""
+    from embedding_workers import stream_reference
+
+    plans = [f"{SPARSE};schedule=2d", f"{SHARD};schedule=2d"]
+    results = launch("embedding_workers:train_stream", 2, {"rows": ROWS, "plans": plans, "optimizers": ["adamw"], "steps": STEPS,
+                     "hold_later": True}, timeout_s=300, collective_timeout_s=60)
+    reference = stream_reference(2, ROWS, ["adamw"], STEPS)
+    for passes in plans:
+        runs = [r[(passes, "adamw")] for r in results]
+        for run in runs:
+            _check_split(run, STEPS)
+            for table in ("tok.weight", "pos.weight", "kind"):
+                firsts = [t for what, name, t, _ in run["events"] if name == table and what == "next"]
+                rests = [t for what, name, t, _ in run["events"] if name == table and what == "later"]
+                done = run["later_done"][table][: STEPS - 1]
+                assert len(firsts) == len(rests) == len(done) == STEPS - 1
+                for first, arrived, rest in zip(firsts, done, rests):
+                    assert first < arrived <= rest, (passes, table, first, arrived, rest)
+        assert _max_difference(_whole(runs, "params", runs[0]["placement"]), reference["adamw"]) <= 1e-10
 
 
 def _program(passes, world_size=2):

@@ -18,8 +18,8 @@ Its gradient is a dense [V, H] table that the gradient sync all-reduces (strateg
   the reverse all-to-all carries them to the owners, and the owner's `embedding` backward
   adds them into its shard's gradient.
 - schedule=2d: `row_embedding` (replicated) and `row_sharded_embedding` (row-sharded, the
-  owner's lookup and the rows' way back in one op) settle their table before reading it;
-  their backward, `post_row_grads`, hands the coalesced row gradients to the runtime's row
+  owner's lookup and the rows' way back in one op) settle the rows they read before reading
+  them; their backward, `post_row_grads`, hands the coalesced row gradients to the runtime's row
   schedule (`runtime/row_schedule.py`), which exchanges them into the next step.
 
 Group names and sizes are literals (the same on every rank); a rank's own offset is read
@@ -241,20 +241,20 @@ mask_padding_grad.register_autograd(_mask_backward, setup_context=_mask_setup)
 
 
 # ------------------------------------------- schedule=2d: row gradients into the next step
-# The lookups settle their table first (its rows from the last backward, and the optimizer
-# step it missed: runtime/row_schedule.py); their backward posts the row gradients.
+# The lookups settle the rows they read first (their gradients from the last backward, and
+# the optimizer step they missed: runtime/row_schedule.py); their backward posts the row gradients.
 
 
-def _settle(table: str) -> None:
+def _settle(table: str, reads: torch.Tensor) -> None:
     rows = row_schedule_of(current_scheduler())
     if rows is not None and rows.pending:
-        rows.settle(table)
+        rows.before_lookup(table, reads)
 
 
 @torch.library.custom_op("commfx::row_embedding", mutates_args=())
 def row_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int, table: str, group: str, parts: int, scale: float) -> torch.Tensor:
-    """weight[ids] of a replicated table after settling it; backward: `post_row_grads`."""
-    _settle(table)
+    """weight[ids] of a replicated table after settling those rows; backward: `post_row_grads`."""
+    _settle(table, ids)
     return F.embedding(ids, weight, _padding(padding_idx))
 
 
@@ -268,10 +268,10 @@ def row_sharded_embedding(
     weight: torch.Tensor, local: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, send_counts: torch.Tensor,
     recv_counts: torch.Tensor, padding_idx: int, table: str, group: str, parts: int, scale: float,
 ) -> torch.Tensor:
-    """A row-sharded table's lookup after settling this rank's shard: the owner looks up the
-    rows it was asked for (`local`), sends them back, and they are read by token (`inverse`).
-    Backward: `post_row_grads` (the token gradients of `ids`, coalesced, to their owners)."""
-    _settle(table)
+    """A row-sharded table's lookup after settling the rows of this rank's shard it was asked
+    for (`local`): the owner looks them up, sends them back, and they are read by token
+    (`inverse`). Backward: `post_row_grads` (the token gradients of `ids`, coalesced, to their owners)."""
+    _settle(table, local)
     served = F.embedding(local, weight)
     back = current_scheduler().all_to_all(served.contiguous(), recv_counts.tolist(), send_counts.tolist(), group, "a2a", f"{table} rows", KIND)
     return F.embedding(inverse, back)
@@ -289,7 +289,7 @@ def post_row_grads(
     """The table's gradient from its token gradients: coalesced per id and exchanged (layout
     "sparse": to every rank; "shard": to each row's owner), times `scale`. Once the module
     has an optimizer the exchange runs into the next step and this returns zeros (the
-    runtime settles the table before its next lookup)."""
+    runtime steps the table's rows before they are next read)."""
     scheduler = current_scheduler()
     rows = row_schedule_of(scheduler)
     if rows is None:

@@ -19,7 +19,8 @@ scale), so SGD, Adam and AdamW as torch defines them give the same parameters.
 `schedule=2d` (EmbRace's 2D communication scheduling) takes the sparse and sharded tables'
 row-gradient exchange off the critical path: the backward posts the coalesced rows to the
 runtime (`runtime/row_schedule.py`), which sends them through the next step's forward, the
-rows the next batch reads first, and steps each table just before its next lookup.
+rows the next batch reads first; the next lookup waits for those and steps just them, and
+the other rows are stepped when theirs arrive.
 `schedule=step` (the default) exchanges them inside the backward.
 """
 

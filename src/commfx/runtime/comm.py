@@ -199,6 +199,13 @@ class CommScheduler:
             self.wait(pending)
         return t
 
+    def ready(self, t: torch.Tensor) -> bool:
+        """Whether `wait_tensor(t)` would not block the host (its collective is done, or on a
+        device-ordered lane issued; True if none is pending); never blocks, so a caller can
+        use what has arrived and leave the rest on the wire."""
+        pending = self._started.get(id(t))
+        return pending is None or pending.done.is_set()
+
     def all_to_all(
         self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: str, priority: str = DEFAULT_CLASS, tag: str = "", kind: str = "all_to_all"
     ) -> torch.Tensor:

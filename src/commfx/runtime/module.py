@@ -136,6 +136,8 @@ class DistributedModule(torch.nn.Module):
         out) re-captures the model for it once (rank 0 says so on stderr) and runs that
         program from then on; both programs train the same parameters. Like any collective,
         every rank must make the same call: the same input names, in the same step."""
+        if self.rows.pending and not (torch.is_grad_enabled() and self.training):
+            self.rows.settle()  # an eval call: schedule=2d tables whole, not just the rows it reads
         captured, inputs = self._captured_for(args, kwargs)
         if inputs and all(t.dim() and t.shape[0] == 0 for t in inputs):
             return self._forward_without_rows(inputs, captured)

@@ -12,10 +12,14 @@ per touched id and hands them here. Once the module knows the optimizer
   urgent where any rank reads it next. The next batch's rows come from `next_batch`
   (`DistributedModule.next_batch`); a rank that gave none counts as reading every row.
 - `optimizer.step()` skips the table (a pre-step hook notes the step's hyperparameters);
-  the next forward's lookup of the table first `settle`s it: waits for its rows, adds them
-  into the table gradient in rank order (the bits the step schedule computes) and steps the
-  table alone with the noted hyperparameters. `synchronize()` (a checkpoint, the end of
-  training) settles every table.
+  the next forward's lookup of the table waits only for the first part, adds it into the
+  table gradient in rank order (the bits the step schedule computes) and steps just the
+  rows the batch reads, with the noted hyperparameters (`row_step.py`). The other rows are
+  stepped once their part has arrived (checked at each lookup and posting), at the latest
+  before the table's next optimizer step, a lookup that reads them, an eval call or
+  `synchronize()` (a checkpoint, the end of training). Under an optimizer whose update is
+  not elementwise (`row_step.splits_by_rows`) the lookup waits for both parts and steps
+  the table whole.
 
 Without an attached optimizer (or in `commfx bench`'s compute-only replay) the exchange is
 waited at once and the gradient returned, like `schedule=step`.
@@ -23,6 +27,8 @@ waited at once and the gradient returned, like `schedule=step`.
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +38,7 @@ from torch.fx.node import map_arg
 from ..kernels.embedding import accumulate_rows, coalesce_rows
 from ..plan import register_priority_class
 from .deferred_step import catching_up, hyperparameters_of, step_only
+from .row_step import splits_by_rows, state_before, step_rows
 
 ROW_SCHEDULE = "row_schedule"  # CommScheduler.op_state key of the module's RowSchedule
 NEXT_CLASS, LATER_CLASS = "rows_next", "rows_later"
@@ -45,16 +52,74 @@ register_priority_class(NEXT_CLASS, 80, "embedding row gradients the next forwar
 register_priority_class(LATER_CLASS, 110, "embedding row gradients the next forward does not read (schedule=2d)",
                         groups=("world", "ep"), overlaps_compute=True)
 
+_NOTED: set[str] = set()  # optimizer classes the whole-table note was printed for
+
 
 @dataclass
 class Exchange:
-    """One table's row gradients on the wire: (ids, rows) received per part, urgent first."""
+    """One table's row gradients on the wire: (ids, rows) received per part, urgent first,
+    added into `sums` (unscaled) part by part as they are received."""
 
     parts: list[tuple[torch.Tensor, torch.Tensor]]
     local_rows: int
     offset: int  # the first global row this rank holds (row-sharded), else 0
     scale: float
     wrap: bool = False  # compute-only replay: ids fold into the table
+    first: torch.Tensor | None = None  # local rows whose every gradient is in the first part (sorted); None: all
+    sums: torch.Tensor | None = None
+    received: int = 0  # parts added into `sums`
+
+    def receive(self, scheduler, like: torch.Tensor, parts: int) -> torch.Tensor:
+        """Wait for the first `parts` parts and add those not added yet into `sums`."""
+        if self.sums is None:
+            self.sums = like.new_zeros((self.local_rows, like.shape[-1]))
+        while self.received < parts:
+            ids, rows = self.parts[self.received]
+            scheduler.wait_tensor(ids)
+            scheduler.wait_tensor(rows)
+            local = ids.remainder(self.local_rows) if self.wrap else ids - self.offset
+            accumulate_rows(self.sums, local, rows.to(self.sums.dtype))
+            self.received += 1
+        return self.sums
+
+    def arrived(self, scheduler) -> bool:
+        """Whether every part not yet received is in (never blocks)."""
+        return all(scheduler.ready(t) for part in self.parts[self.received:] for t in part)
+
+    def reduced(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The received sums of `rows` (all by default), times the scale."""
+        part = self.sums.clone() if rows is None else self.sums.index_select(0, rows)
+        return part.mul_(self.scale) if self.scale != 1.0 else part
+
+
+@dataclass
+class Missed:
+    """A table's optimizer step that came while its rows were on the wire, applied by rows."""
+
+    hyperparameters: list[dict]
+    earlier: torch.Tensor | None  # the table's .grad at the step (gradient accumulated before)
+    exchanges: list[Exchange]
+    before: dict | None = None  # the optimizer state before the step (row_step.state_before), at the first rows
+    stepped: torch.Tensor | None = None  # per local row, whether it is stepped (None: no row yet)
+
+    def gradient(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The table gradient of `rows` (all by default): each exchange's sums scaled, summed
+        in their order, added to the earlier gradient (every part `rows` need received)."""
+        total = None
+        for exchange in self.exchanges:
+            part = exchange.reduced(rows)
+            total = part if total is None else total.add_(part)
+        if self.earlier is None:
+            return total
+        return (self.earlier if rows is None else self.earlier.index_select(0, rows)).add(total)
+
+    def first_rows(self) -> torch.Tensor | None:
+        """The rows every exchange's first part brings all gradients of (None: every row)."""
+        first = None
+        for exchange in self.exchanges:
+            if exchange.first is not None:
+                first = exchange.first if first is None else first[torch.isin(first, exchange.first)]
+        return first
 
 
 @dataclass
@@ -63,17 +128,27 @@ class RowSchedule:
     params: dict[str, torch.nn.Parameter]  # table (weight name) -> its parameter
     graph: fx.GraphModule | None = None  # the captured program: where each table's ids come from
     optimizer: torch.optim.Optimizer | None = None
+    by_rows: bool = True  # the optimizer's step can be applied by rows (row_step.splits_by_rows)
     next_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # table -> sorted rows the next batch reads
-    posted: dict[str, list[Exchange]] = field(default_factory=dict)
-    missed: dict[str, tuple[list[dict], torch.Tensor | None]] = field(default_factory=dict)  # table -> step it missed
+    posted: dict[str, list[Exchange]] = field(default_factory=dict)  # exchanges no optimizer step has come for
+    missed: dict[str, Missed] = field(default_factory=dict)  # table -> the step it missed, rows still to step
     caught_up: int = 0  # tables stepped after their optimizer step, so far
+    # When a list: (what, table, perf_counter time, rows) as it happens: "lookup" (rows read),
+    # "next" (rows the lookup stepped), "later" (the other rows, stepped once in), "whole".
+    events: list[tuple[str, str, float, int]] | None = None
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Defer from now on: `optimizer`'s steps skip tables still on the wire; each is
-        stepped when settled."""
+        """Defer from now on: `optimizer`'s steps skip tables still on the wire; their rows
+        are stepped as they are settled."""
         self.optimizer = optimizer
+        self.by_rows = splits_by_rows(optimizer)
         self.scheduler.dispatcher.enforce_priority = True
         optimizer.register_step_pre_hook(self._before_step)
+        name = type(optimizer).__name__
+        if not self.by_rows and name not in _NOTED and self.scheduler.rank == 0:
+            _NOTED.add(name)
+            print(f"commfx: split_embedding_comm:schedule=2d steps a table's rows apart under SGD, Adam and AdamW only; "
+                  f"under {name} each lookup waits for all its table's rows and steps the table whole", file=sys.stderr, flush=True)
 
     @property
     def deferring(self) -> bool:
@@ -81,7 +156,7 @@ class RowSchedule:
 
     @property
     def pending(self) -> bool:
-        return bool(self.posted)
+        return bool(self.posted) or bool(self.missed)
 
     # -- the next batch ---------------------------------------------------------------
 
@@ -97,46 +172,108 @@ class RowSchedule:
              layout: str, group: str, scale: float) -> torch.Tensor:
         """Start the exchange of this table's row gradients. Deferring: returns zeros (the
         optimizer skips the table until it is settled); else the reduced table gradient."""
+        self.poll()
         unique, summed = coalesce_rows(ids.reshape(-1), grad.reshape(-1, grad.shape[-1]), padding_idx)
         deferring = self.deferring and table in self.params
         known = gather_rows(self.scheduler, group, self.next_rows.pop(table, None), grad.device) if deferring else None
         exchange = start_exchange(self.scheduler, unique, summed, layout=layout, group=group, local_rows=local_rows,
                                   scale=scale, readers=known, tag=table)
         if not deferring:
-            return reduce_exchanges([exchange], grad)
+            return reduce_exchanges([exchange], grad, self.scheduler)
         self.posted.setdefault(table, []).append(exchange)
         return grad.new_zeros((local_rows, grad.shape[-1]))
 
     # -- optimizer step and settling ---------------------------------------------------
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        if catching_up(optimizer) or not self.posted:
+        if catching_up(optimizer):
+            return
+        for table in list(self.missed):  # the step before is owed first (momentum and moments carry over)
+            self._finish(table)
+        if not self.posted:
             return
         hyperparameters = hyperparameters_of(optimizer)
-        for table in self.posted:
-            if table in self.missed:
-                raise RuntimeError("optimizer.step() twice while embedding rows were still on the wire; call synchronize() between")
+        for table, exchanges in self.posted.items():
             param = self.params[table]
-            self.missed[table] = (hyperparameters, param.grad)
-            param.grad = None  # not in this step; settle() steps it
+            self.missed[table] = Missed(hyperparameters, param.grad, exchanges)
+            param.grad = None  # not in this step; its rows are stepped as they arrive
+        self.posted = {}
+
+    def before_lookup(self, table: str, reads: torch.Tensor) -> None:
+        """Ahead of a lookup of `table` that reads its local rows `reads`: step the rows of
+        its missed step the batch reads (waiting for the first part only), or every row if
+        the lookup reads one outside them; gradients posted since its last step (gradient
+        accumulation) are added into its .grad."""
+        self._event("lookup", table, reads.numel())
+        self.poll()
+        missed = self.missed.get(table)
+        if missed is not None:
+            if missed.stepped is None and self.by_rows:
+                self._step_first(table, missed)
+            if missed.stepped is None or not bool(missed.stepped[reads.reshape(-1)].all()):
+                self._finish(table)
+        if table in self.posted:  # no optimizer step since: the gradient is the next step's
+            param = self.params[table]
+            reduced = reduce_exchanges(self.posted.pop(table), param, self.scheduler)
+            param.grad = reduced if param.grad is None else param.grad.add_(reduced)
+
+    def poll(self) -> None:
+        """Step the remaining rows of every table whose rows the lookup stepped already and
+        whose other rows have arrived (never waits)."""
+        for table, missed in list(self.missed.items()):
+            if missed.stepped is not None and all(e.arrived(self.scheduler) for e in missed.exchanges):
+                self._finish(table)
 
     def settle(self, table: str | None = None) -> None:
-        """Wait for `table`'s rows (every table by default), add them into its gradient and
-        step it if its optimizer step came already."""
+        """Wait for `table`'s rows (every table by default) and step them, or, with no step
+        missed, add them into its gradient for the next step."""
+        for name in [table] if table is not None else list(self.missed):
+            if name in self.missed:
+                self._finish(name)
         for name in [table] if table is not None else list(self.posted):
             exchanges = self.posted.pop(name, None)
-            if not exchanges:
-                continue
-            param = self.params[name]
-            reduced = reduce_exchanges(exchanges, param)
-            if name not in self.missed:  # no step yet (gradient accumulation): the next one uses it
+            if exchanges:
+                param = self.params[name]
+                reduced = reduce_exchanges(exchanges, param, self.scheduler)
                 param.grad = reduced if param.grad is None else param.grad.add_(reduced)
-                continue
-            hyperparameters, earlier = self.missed.pop(name)
-            param.grad = reduced if earlier is None else earlier.add_(reduced)
-            step_only(self.optimizer, [param], hyperparameters)
+
+    def _step_first(self, table: str, missed: Missed) -> None:
+        """Receive the first part and step the rows it completes (the next batch's)."""
+        first = missed.first_rows()
+        if first is None:
+            return  # every row is urgent: the table is stepped whole
+        param = self.params[table]
+        for exchange in missed.exchanges:
+            exchange.receive(self.scheduler, param, 1)
+        missed.before = state_before(self.optimizer, param)
+        missed.stepped = torch.zeros(param.shape[0], dtype=torch.bool, device=param.device)
+        self._step_rows(param, missed, first.to(param.device))
+        self._event("next", table, first.numel())
+
+    def _finish(self, table: str) -> None:
+        """Wait for every part of `table`'s missed step and step the rows not stepped yet."""
+        missed = self.missed.pop(table)
+        param = self.params[table]
+        for exchange in missed.exchanges:
+            exchange.receive(self.scheduler, param, len(exchange.parts))
+        if missed.stepped is None:
+            param.grad = missed.gradient()
+            step_only(self.optimizer, [param], missed.hyperparameters)
             param.grad = None
-            self.caught_up += 1
+            self._event("whole", table, param.shape[0])
+        else:
+            rest = (~missed.stepped).nonzero().reshape(-1)
+            self._step_rows(param, missed, rest)
+            self._event("later", table, rest.numel())
+        self.caught_up += 1
+
+    def _step_rows(self, param: torch.nn.Parameter, missed: Missed, rows: torch.Tensor) -> None:
+        step_rows(self.optimizer, param, rows, missed.gradient(rows), missed.hyperparameters, missed.before)
+        missed.stepped[rows] = True
+
+    def _event(self, what: str, table: str, rows: int) -> None:
+        if self.events is not None:
+            self.events.append((what, table, time.perf_counter(), rows))
 
 
 def row_schedule_of(scheduler) -> RowSchedule | None:
@@ -191,26 +328,19 @@ def start_exchange(scheduler, unique: torch.Tensor, summed: torch.Tensor, *, lay
             scheduler.start_all_to_all(rows, send, recv, group, priority, f"{tag} row grads ({priority})", KIND),
         ))
     offset = handle.rank * local_rows if layout == "shard" else 0
-    return Exchange(received, local_rows, offset, scale, wrap=scheduler.local_only)
+    mine = reads[handle.rank]
+    first = None if mine is None else mine[(mine >= offset) & (mine < offset + local_rows)] - offset
+    return Exchange(received, local_rows, offset, scale, wrap=scheduler.local_only, first=first)
 
 
-def reduce_exchanges(exchanges: list[Exchange], like: torch.Tensor) -> torch.Tensor:
+def reduce_exchanges(exchanges: list[Exchange], like: torch.Tensor, scheduler) -> torch.Tensor:
     """The table gradient: each exchange's rows added into zeros (urgent part, then the
     rest: every row's contributions arrive in one part, in rank order), scaled; several
     exchanges (backward passes before a step) summed in their order."""
-    from .comm import current_scheduler
-
-    scheduler = current_scheduler()
     total = None
     for exchange in exchanges:
-        table = like.new_zeros((exchange.local_rows, like.shape[-1]))
-        for ids, rows in exchange.parts:
-            scheduler.wait_tensor(ids)
-            scheduler.wait_tensor(rows)
-            local = ids.remainder(exchange.local_rows) if exchange.wrap else ids - exchange.offset
-            accumulate_rows(table, local, rows.to(table.dtype))
-        if exchange.scale != 1.0:
-            table.mul_(exchange.scale)
+        exchange.receive(scheduler, like, len(exchange.parts))
+        table = exchange.reduced()
         total = table if total is None else total.add_(table)
     return total
 
