@@ -10,8 +10,9 @@ collective is done; gradients go out bucket by bucket (`buckets.make_buckets`, t
 runtime's rule) in chunks of the plan's gradient chunk, in the `grad` class. The step
 ends when the optimizer has stepped, after every collective finished, but for the row
 exchanges `split_embedding_comm:schedule=2d` posts into the next step (`rows`): such a
-workload runs two steps, the second's lookups waiting for the first's rows, and the second
-is the step reported.
+workload runs two steps, the second's lookups waiting for the first's rows the next batch
+reads (`rows_next`) and stepping those, its optimizer step waiting for the others
+(`rows_later`) and stepping the rest of each table first; the second is the step reported.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..buckets import Entry, make_buckets
 from ..compiler.program import Program
 from ..plan import Plan
 from ..runtime.priority import Pending, next_lane
+from ..runtime.row_schedule import LATER_CLASS, NEXT_CLASS
 from ..runtime.trace import ComputeSpan, Timeline
 from .cluster import Cluster
 from .collectives import LinkLoad, group_of_rank0, link_load
@@ -97,8 +99,9 @@ class Simulation:
         self.history: list[Pending] = []
         self.groups: dict[str, list[int]] = {}
         self.offset = 0  # added to this step's collective ids (`run`)
-        self.posted: dict[str, list[int]] = {}  # table -> row exchanges posted this step (schedule=2d)
-        self.carried: dict[str, list[int]] = {}  # table -> those the step before posted
+        self.posted: dict[str, list[tuple[int, str]]] = {}  # table -> (id, class) of row exchanges posted this step (schedule=2d)
+        self.carried: dict[str, list[tuple[int, str]]] = {}  # table -> those the step before posted
+        self.owed: list[Item] = []  # this step's "later" items: the tables' other rows, stepped before the optimizer step
         self.deferred: set[int] = set()  # every posted exchange: the optimizer step does not wait for them
 
     # ------------------------------------------------------------------ the comm side
@@ -170,7 +173,7 @@ class Simulation:
         t = start = 0.0
         for index in range(steps):
             start, self.offset = t, index * STEP_IDS
-            self.carried, self.posted = self.posted, {}
+            self.carried, self.posted, self.owed = self.posted, {}, []
             self.comm_busy = self.inter = self.intra = 0.0
             t, compute, blocked, collectives = self._step(t)
             self.timeline.step(index, start, t)
@@ -208,6 +211,9 @@ class Simulation:
                     if t > start:
                         self.timeline.spans.append(ComputeSpan("grads", "wait for gradients", "optimizer", start, t, True))
                         blocked += t - start
+                    t, owed_compute, owed_blocked = self._step_owed(t)
+                    compute += owed_compute
+                    blocked += owed_blocked
                 seconds = self._compute(item, item.label, t)
                 t += seconds
                 compute += seconds
@@ -217,10 +223,10 @@ class Simulation:
                 self.submit(comm, t)
                 collectives += 1
                 if item.what == "post":  # schedule=2d: waited by the next step's lookup, not by the optimizer
-                    self.posted.setdefault(item.label, []).append(comm.id)
+                    self.posted.setdefault(item.label, []).append((comm.id, comm.priority))
                     self.deferred.add(comm.id)
             elif item.what in ("wait", "settle"):
-                ids = [item.comm_id + self.offset] if item.what == "wait" else self.carried.get(item.label, [])
+                ids = [item.comm_id + self.offset] if item.what == "wait" else [c for c, p in self.carried.get(item.label, []) if p == NEXT_CLASS]
                 self.advance(t)
                 end = t
                 for ident in ids:
@@ -230,10 +236,12 @@ class Simulation:
                     self.timeline.spans.append(ComputeSpan(item.name, "wait" if item.what == "wait" else "wait for rows", item.phase, t, end, True))
                 blocked += end - t
                 t = end
-                if item.what == "settle":  # the table's rows are in: add them up and step the table
+                if item.what == "settle":  # the next batch's rows are in: add them up and step those
                     seconds = self._compute(item, f"step {item.label}", t)
                     t += seconds
                     compute += seconds
+            elif item.what == "later":  # the table's other rows: stepped before the optimizer step
+                self.owed.append(item)
             elif item.what == "grads":
                 ready.update(item.params)
                 self.advance(t)
@@ -247,6 +255,27 @@ class Simulation:
             blocked += end - t
             t = end
         return t, compute, blocked, collectives
+
+    def _step_owed(self, t: float) -> tuple[float, float, float]:
+        """Before the optimizer step: wait for the step before's other rows of each table
+        (`rows_later`) and step them. Returns (end, compute, blocked)."""
+        compute = blocked = 0.0
+        for item in self.owed:
+            ids = [c for c, p in self.carried.get(item.label, []) if p == LATER_CLASS]
+            if not ids:
+                continue  # the first simulated step: nothing was posted before it
+            self.advance(t)
+            end = t
+            for ident in ids:
+                self.wait(ident)
+                end = max(end, self.done[ident])
+            if end > t:
+                self.timeline.spans.append(ComputeSpan(item.name, "wait for other rows", "optimizer", t, end, True))
+                blocked += end - t
+            seconds = self._compute(dataclasses.replace(item, phase="optimizer"), f"step {item.label} (other rows)", end)
+            t = end + seconds
+            compute += seconds
+        return t, compute, blocked
 
     def _compute(self, item: Item, label: str, at: float) -> float:
         """Run `item`'s compute from `at` (the links go on meanwhile); its seconds."""

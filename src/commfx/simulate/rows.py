@@ -10,10 +10,12 @@ exchanges the next batch's rows and the per-destination counts (three small all-
 the critical path) and posts the pairs in two parts without waiting: the rows the next
 batch reads (`rows_next`, ahead of the gradient all-reduce; their share from
 `cost.embedding.next_share`) and the rest (`rows_later`, behind it). The optimizer step
-skips the table; the next forward's lookup waits for both parts (the runtime settles a
-table whole), adds them in and steps the table there. So the exchange overlaps the
-optimizer step and whatever the next forward computes before the lookup, and the engine
-runs such a workload for two steps (the second is the steady state).
+skips the table; the next forward's lookup waits for the first part only, adds it in and
+steps the rows the batch reads (the same share of the table); the other rows are stepped
+before the next optimizer step, once the rest is in. So the urgent part overlaps the
+optimizer step and whatever the next forward computes before the lookup, the rest the
+whole next forward and backward, and the engine runs such a workload for two steps (the
+second is the steady state).
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ class RowTables:
     # -- schedule=2d ------------------------------------------------------------------
 
     def before(self, node: fx.Node, name: str, counter, rows_factor: float) -> list[Item]:
-        """Ahead of a 2d lookup: wait for the table's rows of the step before and step it;
-        for a row-sharded table, the owners' rows back to this rank."""
+        """Ahead of a 2d lookup: wait for the table's rows of the step before that this batch
+        reads and step those (the rest of the table is "later": stepped before the optimizer
+        step); for a row-sharded table, the owners' rows back to this rank."""
         layout = LOOKUPS.get(name)
         if layout is None:
             return []
@@ -94,7 +97,10 @@ class RowTables:
         row = found.row_bytes if found else 0
         parts = self._parts(node, layout)
         received = unique * row * (parts if layout == "replicated" else 1)
-        items = [Item("settle", node.name, "forward", label=table, nbytes=(found.step_bytes if found else 0.0) + 2 * received)]
+        work = (found.step_bytes if found else 0.0) + 2 * received  # add the rows in, step the table
+        read = next_share(found.rows if found else 0, tokens, parts if layout == "shard" else 1)  # of the table, read next
+        items = [Item("settle", node.name, "forward", label=table, nbytes=read * work),
+                 Item("later", node.name, "forward", label=table, nbytes=(1.0 - read) * work)]
         if layout == "shard":
             back = Comm(next(counter), "all_to_all", "all_to_all", self._group(node, layout), DEFAULT_CLASS, f"{table} rows",
                         unique * row, reversed_in_backward=False)
