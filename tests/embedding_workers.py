@@ -167,6 +167,7 @@ STREAM_OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
     "adam": lambda params: torch.optim.Adam(params, lr=0.05),
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),  # not split by rows: each table stepped whole
 }
 
 

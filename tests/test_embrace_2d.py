@@ -5,7 +5,8 @@ arrive. Lossless: on a stream of batches (rows no batch reads, rows one step upd
 the next reads), 4 SGD/Adam/AdamW steps under an LR scheduler give schedule=step's losses,
 parameters and optimizer state and dense data parallelism's parameters (float64), across a
 checkpoint save and resume too, and with the other rows held on the wire past the next
-lookup; the exchange goes in two priority classes; plan errors."""
+lookup; Adagrad, whose step is not split by rows, steps each table whole and is lossless too;
+the exchange goes in two priority classes; plan errors."""
 
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def _check(results, base, optimizers, reference, save_at=0):
                 assert state.keys() == t["optimizer_state"][param].keys()
                 for key, value in state.items():
                     assert (torch.as_tensor(value).double() - torch.as_tensor(t["optimizer_state"][param][key]).double()).abs().max() <= 1e-10, (param, key)
-            _check_split(t, len(t["losses"]), save_at)
+            _check_split(t, len(t["losses"]), save_at, by_rows=name != "adagrad")
         placement = step[0]["placement"]
         difference = _max_difference(_whole(two_d, "params", placement), _whole(step, "params", placement))
         assert difference <= 1e-10, (later, name, difference)
@@ -72,17 +73,17 @@ def _check(results, base, optimizers, reference, save_at=0):
             assert _max_difference(_whole(resumed, "params", placement), _whole(step, "params", placement)) <= 1e-10
 
 
-def _check_split(result, steps, save_at=0):
+def _check_split(result, steps, save_at=0, by_rows=True):
     """Each table's missed steps: at each next lookup the rows it reads stepped (a part of
     the table), then the others, every row once; one a checkpoint (after step `save_at`)
-    or the end of training settled, whole at synchronize()."""
+    or the end of training settled, whole at synchronize(). Not `by_rows`: all whole."""
     tables = {table for _, table, _, _ in result["events"]}
     assert tables == {"tok.weight", "pos.weight", "kind"}
     for table in tables:
         events = [(what, rows) for what, name, _, rows in result["events"] if name == table]
         stepped = [e for e in events if e[0] != "lookup"]
         local = result["local_rows"][table]
-        expected = [w for step in range(1, steps + 1) for w in (["whole"] if step in (save_at, steps) else ["next", "later"])]
+        expected = [w for step in range(1, steps + 1) for w in (["whole"] if step in (save_at, steps) or not by_rows else ["next", "later"])]
         assert [what for what, _ in stepped] == expected, (table, stepped)
         for index, (what, count) in enumerate(events):
             if what == "next":
@@ -91,11 +92,11 @@ def _check_split(result, steps, save_at=0):
                 assert later[0] == "later" and count + later[1] == local
             assert what != "whole" or count == local
     tok = [rows for what, name, _, rows in result["events"] if name == "tok.weight" and what == "next"]
-    assert all(0 < rows < result["local_rows"]["tok.weight"] for rows in tok)  # only the rows the batch reads
+    assert all(0 < rows < result["local_rows"]["tok.weight"] for rows in tok) and len(tok) == (steps - 1 - bool(save_at)) * by_rows
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("base, optimizers", [(SPARSE, ["sgd", "adamw"]), (SHARD, ["adam", "adamw"])])
+@pytest.mark.parametrize("base, optimizers", [(SPARSE, ["sgd", "adamw", "adagrad"]), (SHARD, ["adam", "adamw"])])
 def test_2d_equals_step_and_dense_data_parallelism(base, optimizers):
     from embedding_workers import stream_reference
 
