@@ -43,10 +43,23 @@ def test_the_matched_link_gives_the_scaled_model_the_real_ratio(name):
     [
         (["bench", "gpt-moe", "--inter-node", "auto", "--flops-per-rank", "2e10"], "add --proportions NAME"),
         (["bench", "gpt-moe-tiny", "--proportions", "mixtral-8x7b"], "scales the built-in gpt-moe"),
-        (["bench", "gpt-moe", "--proportions", "mixtral-8x7b", "--inter-node", "auto"], "needs this machine's FLOP/s per rank"),
         (["bench", "gpt-moe", "--proportions", "gpt-5", "--inter-node", "100mbit"], "no such model; known: mixtral-8x7b"),
     ],
 )
 def test_proportions_errors_are_clear(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().out
+
+
+def test_inter_node_auto_without_a_rate_measures_this_machine():
+    """No --flops-per-rank: the link is sized from the scaled model's expert GEMMs timed here."""
+    import argparse
+
+    from commfx.cli.bench import _proportioned
+
+    args = argparse.Namespace(proportions="mixtral-8x7b", model="gpt-moe", flops_per_rank=None, nodes=2, ranks_per_node=1, batch=None)
+    matched, inter_node = _proportioned(args, "auto,1ms")
+    assert 1e8 < matched.flops_per_rank < 1e14  # a real rate, not the placeholder of 1 FLOP/s
+    assert inter_node == f"{matched.rate_bits / 1e6:.2f}mbit,1ms"
+    given = matched_link("mixtral-8x7b", flops_per_rank=matched.flops_per_rank * 2, nodes=2)
+    assert given.rate_bits == pytest.approx(2 * matched.rate_bits)  # the link scales with the rate it was sized from

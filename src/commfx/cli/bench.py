@@ -124,10 +124,31 @@ def _proportioned(args, inter_node: str):
     if args.model != "gpt-moe":
         raise ValueError(f"--proportions scales the built-in gpt-moe; got model {args.model!r} (use gpt-moe)")
     auto = inter_node.lower().startswith("auto")
-    if auto and not args.flops_per_rank:
-        raise ValueError("--inter-node auto needs this machine's FLOP/s per rank: --flops-per-rank (commfx bench --calibrate measures it)")
-    matched = matched_link(args.proportions, flops_per_rank=args.flops_per_rank or 1.0, nodes=args.nodes)
+    flops = args.flops_per_rank or (_measured_flops_per_rank(args) if auto else 1.0)
+    matched = matched_link(args.proportions, flops_per_rank=flops, nodes=args.nodes)
     return matched, (f"{matched.rate_bits / 1e6:.2f}mbit" + inter_node[4:] if auto else inter_node)
+
+
+def _measured_flops_per_rank(args) -> float:
+    """This machine's rate on the scaled model's expert GEMMs, on one rank's share of the cores
+    (what `--inter-node auto` sizes the link from when no --flops-per-rank is given)."""
+    import os
+
+    import torch
+
+    from ..bench.proportions import REAL_MODELS, scaled
+    from ..runtime.machine_probe import expert_rate
+
+    model = scaled(REAL_MODELS[args.proportions])
+    world = args.nodes * args.ranks_per_node
+    tokens = (args.batch or 32) * 64 // world  # the bench's batch of 64-token sequences, one rank's share
+    rows = max(1, tokens * model.top_k // model.experts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        return expert_rate(torch.float32, torch.device("cpu"), model.experts, rows, model.hidden, model.expert_hidden, 3)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _labelled(item: str) -> tuple[str, str]:

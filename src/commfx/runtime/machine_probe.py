@@ -64,7 +64,7 @@ class MachineFigures:
 def measure(scheduler: CommScheduler, topology: Topology, dtype: torch.dtype, device: torch.device, shape=DEFAULT_SHAPE) -> MachineFigures:
     """Time this machine (collectively: every rank calls it) and agree on the slowest figures;
     `shape` is the experts' work (see `expert_work_shape`)."""
-    flops = _expert_rate(dtype, device, *shape)
+    flops = expert_rate(dtype, device, *shape)
     group = "ep" if "ep" in scheduler.groups and scheduler.group("ep").size > 1 else "world"
     handle = scheduler.group(group)
     spans = len({topology.node_of(r) for r in handle.ranks}) > 1
@@ -110,7 +110,7 @@ def expert_work_shape(program, tokens: int) -> tuple[int, int, int, int, int]:
     return experts, rows, hidden, width, gate_up.shape[1] // width + 1
 
 
-def _expert_rate(dtype: torch.dtype, device: torch.device, experts: int, rows: int, hidden: int, width: int, matrices: int) -> float:
+def expert_rate(dtype: torch.dtype, device: torch.device, experts: int, rows: int, hidden: int, width: int, matrices: int) -> float:
     from ..kernels import grouped_mm
 
     x = torch.randn(experts * rows, hidden, dtype=dtype, device=device)
