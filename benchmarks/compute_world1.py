@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import commfx
+from commfx.bench.run_record import RunRecorder
 from commfx.models import load_model
 from commfx.plan import Plan
 from commfx.train import loss_fn
@@ -35,7 +36,20 @@ MIXTRAL = dict(
     hidden_size=256, intermediate_size=896, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
     num_local_experts=8, num_experts_per_tok=2, vocab_size=8192, batch=4, seq=256,
 )
-MODELS = {"gpt-moe": ("gpt-moe", {}), "mixtral-256": ("hf:mixtral", MIXTRAL)}
+# Qwen3-30B-A3B's and OLMoE-1B-7B's proportions at that width: expert hidden 0.375 and 0.5 of
+# the hidden size, 32 experts top-4 (the Qwen3-shaped row) and 64 experts top-8.
+QWEN3_MOE = dict(
+    hidden_size=256, moe_intermediate_size=96, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=32, num_experts=32, num_experts_per_tok=4, vocab_size=8192, batch=4, seq=256,
+)
+OLMOE = dict(
+    hidden_size=256, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+    num_experts=64, num_experts_per_tok=8, vocab_size=8192, batch=4, seq=256,
+)
+PROPORTIONS = {"gpt-moe": "toy", "mixtral-256": "mixtral-8x7b (hidden 256)", "qwen3-moe-256": "qwen3-30b-a3b (hidden 256)",
+               "olmoe-256": "olmoe-1b-7b (hidden 256)"}
+MODELS = {"gpt-moe": ("gpt-moe", {}), "mixtral-256": ("hf:mixtral", MIXTRAL), "qwen3-moe-256": ("hf:qwen3_moe", QWEN3_MOE),
+          "olmoe-256": ("hf:olmoe", OLMOE)}
 PASSES = "lift,expert_parallel"
 
 
@@ -104,11 +118,12 @@ def measure(model: str, rounds: int, warmup: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default="mixtral-256,qwen3-moe-256,olmoe-256")
     parser.add_argument("--rounds", type=int, default=13)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=str(Path(__file__).parent / "compute_world1.json"))
     args = parser.parse_args(argv)
+    recorder = RunRecorder(proportions=", ".join(PROPORTIONS[m] for m in args.models.split(",")))
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     results = []
@@ -122,7 +137,7 @@ def main(argv=None) -> int:
             print(f"  {name}: {note}")
         sys.stdout.flush()
     with open(args.json, "w") as f:
-        json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, f, indent=2)
+        json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results, "run": recorder.finish()}, f, indent=2)
     print(f"wrote {args.json}")
     dist.destroy_process_group()
     return 0

@@ -265,6 +265,16 @@ def plan_world(text: str) -> int:
     return int(nodes) * int(ranks)
 
 
+def link_sizing(run) -> str:
+    """How a --proportions run sized its link, from the command it records."""
+    command = (run.d.get("run") or {}).get("command") or ""
+    if "--inter-node auto" not in command:
+        return "the figures that sized its link not recorded" if not command else "its link given on the command line"
+    given = [flag for flag in ("--flops-per-rank", "--collective-overhead", "--grad-bucket-bytes") if flag in command]
+    return (f"its link sized from given {', '.join(given)}" if given
+            else "its link sized from this machine's measured FLOP/s, no cost-model figure given")
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -324,12 +334,13 @@ class Report:
         lines.append(f"- **Projected** on the `a100` preset (`projections.sh`, logs `log/2026-11-26-projection_lina_embrace_a100_*`), "
                      f"naive expert parallelism standing in for DeepSpeed-MoE, bf16: `partition_a2a` ÷ naive {x(bf16[0])} at "
                      f"{self.world(16)} GPUs and {x(bf16[1])} at {self.world(32)}: the claim is {reached(min(bf16) <= 1 / claim['speedup'])} there.")
-        lines.append("- No committed run sizes the link from this machine's measured FLOP/s; the emulated runs above do not "
-                     "record the command that sized theirs. Rerun the Mixtral command without `--flops-per-rank`, "
-                     "`--collective-overhead` and `--grad-bucket-bytes` and commit its JSON.")
+        sizing = link_sizing(mix)
+        lines.append(f"- `{mix.name}`: {sizing}; compute-only step of full Lina ÷ the peer's "
+                     f"{x(mix.median('plan', 'compute_only') / mix.median('baseline', 'compute_only'))} (target ≤ 1), "
+                     f"naive ÷ the peer's {x(mix.median('naive', 'compute_only') / mix.median('baseline', 'compute_only'))}.")
         self.row("**Lina**", f"full Lina ÷ `peer:deepspeed_moe` {xr(mix.paired('plan', 'baseline'))} paired "
                  f"({x(speed[mix.name])}× faster; claim {claim['speedup']}×: {reached(speed[mix.name] >= claim['speedup'])} on this emulated "
-                 f"CPU cluster, the figures that sized its link not recorded; "
+                 f"CPU cluster, {sizing}; "
                  f"projected on A100s: {reached(min(bf16) <= 1 / claim['speedup']).strip('*')})", mix.peer(), mix.model() + "; " + mix.proportions(), mix.link_layout(),
                  "measured (emulated CPU cluster)", mix.load(), [mix.name])
         return "\n".join(lines)
@@ -525,6 +536,27 @@ class Report:
                  last.peer("fsdp"), last.model() + "; " + last.proportions(), last.link_layout(), "measured", last.load(), [last.name])
         return "\n".join(lines)
 
+    def compute(self) -> str:
+        c = self.src.json("compute_world1.json")
+        record = c.get("run")
+        names = ("eager", "torch.compile", "commfx-interpret", "commfx-inductor")
+        rows = [[r["model"], *(f"{r['median_ms'][n]:,.0f} ({x(r['ratio_to_compile'][n])})" for n in names),
+                 f"{x(r['median_ms']['commfx-inductor'] / r['median_ms']['eager'])}"] for r in c["results"]]
+        worst = max(r["ratio_to_compile"]["commfx-inductor"] for r in c["results"])
+        worst_eager = max(r["median_ms"]["commfx-inductor"] / r["median_ms"]["eager"] for r in c["results"])
+        lines = [f"One rank, no communication: AdamW training steps of each model, eager PyTorch and torch.compile (Inductor) of "
+                 f"the plain model against commfx's `{c['results'][0]['passes']}` interpreted and with compiled regions, in "
+                 f"interleaved rounds ({c['results'][0]['rounds'] - c['results'][0]['warmup']} measured after "
+                 f"{c['results'][0]['warmup']} warm-ups; torch {c['torch']}, {c['threads']} threads; `benchmarks/compute_world1.py`, "
+                 "`compute_world1.json`). Cells: median ms (÷ torch.compile, the median of per-round ratios).", "",
+                 table(["model", "eager", "torch.compile", "commfx interpreted", "commfx compiled", "compiled ÷ eager"], rows), "",
+                 "- Models: " + "; ".join(f"{r['model']}: " + ", ".join(f"{k} {v}" for k, v in r["config"].items()) for r in c["results"]) + "."]
+        self.row("**Compute, one rank**", f"commfx compiled ÷ torch.compile ≤ {x(worst)}, ÷ eager ≤ {x(worst_eager)} "
+                 f"(target ≤ 1.05 and ≤ 1.00: {'met' if worst <= 1.05 and worst_eager <= 1.0 else 'not met'})",
+                 "eager and torch.compile, same rounds", (record or {}).get("proportions") or "not recorded", "one rank, CPU",
+                 "measured", load_cell(record), ["compute_world1.json"])
+        return "\n".join(lines)
+
     def gpu_kernels(self) -> str:
         g = self.src.json("gpu_kernels_h200.json")
         rows = [[r["kernel"], f"{r['ms']:.3f}", f"{r['floor_ms']:.3f}", x(r["floor_ms"] / r["ms"])] for r in g["rows"]]
@@ -615,7 +647,7 @@ class Report:
 
     def render(self) -> str:
         sections = {name: getattr(self, name)() for name in ("lina", "locmoe", "embrace", "optimus_cc", "semi", "zero",
-                                                              "gpu_kernels", "simulator", "other")}
+                                                              "compute", "gpu_kernels", "simulator", "other")}
         sections["unrecorded"] = self.unrecorded()
         sections["legend"] = self.legend()
         sections["headline"] = table(["row", "figure", "peer", "model; proportions", "link; layout", "measured or projected",
