@@ -107,3 +107,28 @@ def gpt2_words_loss():
         model.embed.weight.normal_(0.0, 0.02)  # GPT-2's initialisation of its (tied) token table
     model.lm_head.weight = model.embed.weight
     return NextTokenLoss(model), shifted(word_batch(seq=SEQ + 1, ids=corpus_ids(vocab)))
+
+
+# Issue 44's word LM: Llama-style, untied, a 50,000-word vocabulary at hidden 384 and 4 layers,
+# so the token table and the head hold 84% of the parameters (EmbRace's LMs are embedding-bound).
+WORD_LM = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=6)
+
+
+def llama_words_loss():
+    """HF Llama (transformers' own modelling code, randomly initialised) at WORD_LM's sizes with
+    an untied 50k vocabulary, returning its next-token loss."""
+    from transformers import AutoModelForCausalLM
+
+    from commfx.models import NextTokenLoss, shifted
+    from commfx.models.hf import hf_config
+
+    config = hf_config("llama")
+    for key, value in WORD_LM.items():
+        setattr(config, key, value)
+    config.head_dim = WORD_LM["hidden_size"] // WORD_LM["num_attention_heads"]
+    config.vocab_size, config.max_position_embeddings, config.tie_word_embeddings = VOCAB, SEQ + 1, False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.train()
+    return NextTokenLoss(model), shifted(word_batch(seq=SEQ + 1))

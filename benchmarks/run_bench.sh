@@ -146,3 +146,9 @@ done
 nice -n 10 timeout 2400 .venv/bin/python benchmarks/fp8_dispatch_quality.py --seeds 0,1,2 --steps 300 \
   --json "$OUT/fp8_dispatch_quality.json" | tee "$OUT/fp8_dispatch_quality.txt"
 echo "results in $OUT"
+# EmbRace's 2D scheduling (issue 44): schedule=2d against schedule=step and DDP on an untied
+# 50k-word Llama (embeddings and head 84% of the parameters), a stream of Zipf batches
+timeout 1800 "$COMMFX" bench benchmarks/embrace_models.py:llama_words_loss \
+  --passes "lift,split_embedding_comm:schedule=2d" --vs peer:ddp --also "step=lift,split_embedding_comm" \
+  --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 6 --warmup 1 --timeout 1700 \
+  --json "$OUT/embrace_2d_llama_words_100mbit_2x1.json" --trace "$OUT/embrace_2d_traces" | tee "$OUT/embrace_2d_llama_words_100mbit_2x1.txt"
