@@ -22,21 +22,13 @@ from commfx.bench.results import Timing, _cluster_times
 from commfx.models import load_model
 from commfx.ops.moe import expert_capacity
 from commfx.bench.netns import namespace_problem, list_run_namespaces
+from bench_driver import DRIVER
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]  # one worker builds namespaces at a time
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPACITY = 1.0
 PASSES = f"lift,expert_parallel:capacity_factor={CAPACITY}"
-# Runs `commfx bench` through the subcommand's own add_parser (independent of main.py's wiring).
-DRIVER = (
-    "import argparse, sys\n"
-    "from commfx.cli.bench import add_parser\n"
-    "p = argparse.ArgumentParser(prog='commfx')\n"
-    "add_parser(p.add_subparsers(dest='command', required=True))\n"
-    "a = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(a.func(a))\n"
-)
 
 
 

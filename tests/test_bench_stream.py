@@ -22,17 +22,10 @@ ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS / "model_files"))
 
 from embedding_lm import VOCAB, build, build_loss  # noqa: E402
+from bench_driver import DRIVER
 
 MODEL = f"{TESTS / 'model_files' / 'embedding_lm.py'}:build"
 TWO_D = "lift,split_embedding_comm:strategy=sparse;schedule=2d"
-DRIVER = (
-    "import argparse, sys\n"
-    "from commfx.cli.bench import add_parser\n"
-    "p = argparse.ArgumentParser(prog='commfx')\n"
-    "add_parser(p.add_subparsers(dest='command', required=True))\n"
-    "a = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(a.func(a))\n"
-)
 
 
 def test_the_stream_is_a_new_zipf_batch_each_step_and_the_same_for_a_step():

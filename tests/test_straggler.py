@@ -22,16 +22,9 @@ from commfx.bench import straggler
 from commfx.bench.config import build_config
 from commfx.bench.straggler import RankSlowdown, cgroup_problem, check_request, parse_slow_rank, prepare
 from commfx.runtime.executor import SLEEP_SLICE_S, pay_delay, stretch
+from bench_driver import DRIVER
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = (
-    "import argparse, sys\n"
-    "from commfx.cli.bench import add_parser\n"
-    "p = argparse.ArgumentParser(prog='commfx')\n"
-    "add_parser(p.add_subparsers(dest='command', required=True))\n"
-    "a = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(a.func(a))\n"
-)
 
 
 def _parser():

@@ -227,11 +227,7 @@ class Simulation:
                     self.deferred.add(comm.id)
             elif item.what in ("wait", "settle"):
                 ids = [item.comm_id + self.offset] if item.what == "wait" else [c for c, p in self.carried.get(item.label, []) if p == NEXT_CLASS]
-                self.advance(t)
-                end = t
-                for ident in ids:
-                    self.wait(ident)
-                    end = max(end, self.done[ident])
+                end = self._wait_for(ids, t)
                 if end > t:
                     self.timeline.spans.append(ComputeSpan(item.name, "wait" if item.what == "wait" else "wait for rows", item.phase, t, end, True))
                 blocked += end - t
@@ -256,6 +252,15 @@ class Simulation:
             t = end
         return t, compute, blocked, collectives
 
+    def _wait_for(self, ids: list[int], t: float) -> float:
+        """When the collectives `ids` are all done, waited for from time t."""
+        self.advance(t)
+        end = t
+        for ident in ids:
+            self.wait(ident)
+            end = max(end, self.done[ident])
+        return end
+
     def _step_owed(self, t: float) -> tuple[float, float, float]:
         """Before the optimizer step: wait for the step before's other rows of each table
         (`rows_later`) and step them. Returns (end, compute, blocked)."""
@@ -264,11 +269,7 @@ class Simulation:
             ids = [c for c, p in self.carried.get(item.label, []) if p == LATER_CLASS]
             if not ids:
                 continue  # the first simulated step: nothing was posted before it
-            self.advance(t)
-            end = t
-            for ident in ids:
-                self.wait(ident)
-                end = max(end, self.done[ident])
+            end = self._wait_for(ids, t)
             if end > t:
                 self.timeline.spans.append(ComputeSpan(item.name, "wait for other rows", "optimizer", t, end, True))
                 blocked += end - t
