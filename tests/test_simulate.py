@@ -107,19 +107,25 @@ def _validated(json_name: str, labels: list[str] | None = None):
 
 
 def test_predicts_a_committed_run():
-    """Lina's plan (packing + partition + priority) on the Mixtral-proportioned model, 2 x 1
-    at 152 Mbit/s: predicted against the median the committed run measured."""
-    (c,) = _validated("peers_lina_mixtral_proportions_2x1.json", labels=["plan"]).values()
+    """Naive expert parallelism on the Mixtral-proportioned model, 2 x 1 at the link sized from
+    the measured machine: predicted against the median the committed run measured. Its full
+    Lina plan uses passes the simulator does not model, and validation says so."""
+    from commfx.simulate.validate import validate
+
+    (c,) = _validated("peers_lina_mixtral_proportions_2x1.json", labels=["naive"]).values()
     assert abs(c.step_error) <= STEP_TOLERANCE, (c.predicted_s, c.measured_s)
+    _, notes = validate(ROOT / "benchmarks" / "peers_lina_mixtral_proportions_2x1.json", labels=["plan"])
+    assert any("microbatch_overlap, defer_grad_sync not modelled" in note for note in notes), notes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("json_name", ["peers_lina_gpt_moe_100mbit_2x1.json", "peers_lina_mixtral_proportions_2x1.json"])
-def test_predicts_committed_runs_and_their_ratios(json_name):
-    """Every commfx plan of the run (Lina's and naive expert parallelism), and the ratio
-    between them."""
+@pytest.mark.parametrize("json_name, modelled", [("peers_lina_gpt_moe_100mbit_2x1.json", {"plan", "naive"}),
+                                                  ("peers_lina_mixtral_proportions_2x1.json", {"naive"})])
+def test_predicts_committed_runs_and_their_ratios(json_name, modelled):
+    """Every commfx plan of the run the simulator models (Lina's and naive expert parallelism),
+    and the ratio between them."""
     found = _validated(json_name)
-    assert set(found) == {"plan", "naive"}
+    assert set(found) == modelled
     for c in found.values():
         assert abs(c.step_error) <= STEP_TOLERANCE, (c.label, c.predicted_s, c.measured_s)
         assert abs(c.ratio_error) <= RATIO_TOLERANCE, (c.label, c.predicted_ratio, c.measured_ratio)
