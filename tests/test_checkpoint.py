@@ -69,6 +69,7 @@ def uninterrupted(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_run_killed_by_sigkill_resumes_equal_to_one_never_interrupted(uninterrupted, tmp_path):
     """Rank 1 is SIGKILLed once step 4's checkpoint exists; the run resumed from the last

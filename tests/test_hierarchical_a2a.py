@@ -305,6 +305,7 @@ def test_hierarchical_equals_flat_bit_for_bit_at_2_nodes_by_2_ranks():
     assert ranks[1]["uneven and empty"]["flat_inter"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_expert_parallel_with_hierarchical_a2a_equals_the_model_at_world_4():
     """Outputs and every gradient (the backward all-to-alls run hierarchically too) <= 1e-10."""

@@ -474,6 +474,7 @@ def _have_ptxas() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _have_ptxas(), reason="Triton's bundled ptxas is not available")
 def test_triton_kernels_compile_for_sm90(tmp_path):
     results = _run_self(

@@ -41,6 +41,7 @@ def test_partitioned_prioritised_equals_reference(world_size):
         assert report.grad_diffs, "no gradients were compared"
 
 
+@pytest.mark.slow
 def test_partitioned_hf_mixtral_equals_reference():
     plan = Plan.from_cli("lift,expert_parallel,partition_a2a:k=2", world_size=2)
     (report,) = verify([VerifyCase("hf:mixtral", plan, batch=3)], 2, timeout_s=300)

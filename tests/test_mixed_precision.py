@@ -155,6 +155,7 @@ def test_the_compile_backend_takes_the_plans_precision():
         assert 0 < rank["diff_from_eager"] < 0.05, "bf16 compute: close to the float32 model, not equal to it"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_bf16_verify_passes_through_the_moe_passes_and_tensor_parallel():
     plans = [bf16("lift,expert_parallel,partition_a2a:k=2"), bf16("lift,expert_parallel,pack_experts"), bf16("lift,expert_parallel,tensor_parallel", tp=2)]

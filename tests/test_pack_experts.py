@@ -271,6 +271,7 @@ def test_dump_says_what_packing_degree_it_chose_and_why(capsys):
     assert "all-to-all" in header and "expert(s) per device" in header
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_commfx_run_re_places_experts_and_still_trains_pipelines(capsys, tmp_path):
     """`commfx run` attaches the optimizer for re-placement: experts really move (the JSON's

@@ -135,6 +135,7 @@ def test_pipeline_equals_the_model_world_2():
         assert len(report.grad_diffs) == len(dict(load_model(report.case.model)[0].named_parameters()))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_pipeline_times_data_parallel_with_experts_world_4():
     """pp=2 x dp=2, experts sharded over the 2 ranks of each stage, a tied-free MoE model."""
@@ -165,6 +166,7 @@ def test_topology_validation_of_pipelines():
     assert Plan(Topology(world_size=4, pp=2)).grad_scale == 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_pipeline_equals_the_model_pp_4_world_4():
     """Four stages, one layer each, in float64: GPipe on gpt-moe, and 1F1B (warm-up depths

@@ -368,6 +368,7 @@ def test_unit_migration_at_tp4():
     _check_units(launch("resize_workers:unit_suite", 4, {}, timeout_s=300), 4)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_unit_migration_on_hf_llama_grouped_query_attention_and_gated_mlp():
     """HF Llama: grouped-query attention (a unit is a kv group: one k/v head and the q heads

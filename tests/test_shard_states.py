@@ -66,6 +66,7 @@ def test_sharded_steps_equal_replicated_steps_and_hold_less():
         assert "make that optimizer before the first backward" in said["backward"]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sharded_states_with_tensor_parallelism_equal_the_replicated_plan():
     """tp 2 x dp 2: tensor_parallel's shards and the replicated parameters bucketed over dp."""
@@ -84,6 +85,7 @@ def test_sharded_states_with_tensor_parallelism_equal_the_replicated_plan():
 PIPELINE = "lift,expert_parallel,pipeline_split"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sharded_states_inside_pipeline_stages_equal_replicated_stages():
     """pp=2 x dp=2: each stage's optimizer state (stage 1), reduced gradients (stage 2) and

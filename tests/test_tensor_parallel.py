@@ -197,6 +197,7 @@ def test_tp2_equals_the_single_process_model_on_qwen2():
     assert report.ok and report.max_diff <= 1e-10, (report.failures, report.grad_diffs)
 
 
+@pytest.mark.slow
 def test_tp4_and_tp_times_dp_with_experts_equal_the_single_process_model():
     cases = [
         _case("gpt-moe-tiny", 4, 4),

@@ -155,6 +155,7 @@ def test_split_head_equals_dense_data_parallelism_over_three_optimizer_steps():
     assert dense["grad_all_reduce"]["intra_node_bytes"] - shard["grad_all_reduce"]["intra_node_bytes"] == head_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("ep", [4, 2])
 def test_verify_split_head_at_world_four(ep):
