@@ -152,3 +152,16 @@ timeout 1800 "$COMMFX" bench benchmarks/embrace_models.py:llama_words_loss \
   --passes "lift,split_embedding_comm:schedule=2d" --vs peer:ddp --also "step=lift,split_embedding_comm" \
   --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 6 --warmup 1 --timeout 1700 \
   --json "$OUT/embrace_2d_llama_words_100mbit_2x1.json" --trace "$OUT/embrace_2d_traces" | tee "$OUT/embrace_2d_llama_words_100mbit_2x1.txt"
+# ZeRO-3 against FSDP2 (results page, ZeRO row): a dense gpt-moe (one expert) with many buckets,
+# 2 nodes x 1 rank at 1 Gbit/s
+timeout 1500 "$COMMFX" bench gpt-moe --passes "lift,shard_states:stage=3;bucket_bytes=auto" --vs lift --also fsdp=peer:fsdp2 \
+  --model-arg num_layers=4 --model-arg hidden_size=256 --model-arg num_experts=1 --model-arg top_k=1 --model-arg expert_hidden=1024 \
+  --batch 16 --nodes 2 --ranks-per-node 1 --inter-node 1gbit --steps 8 --warmup 2 --timeout 1400 \
+  --json "$OUT/zero3_dense_buckets_1gbit_2x1.json" | tee "$OUT/zero3_dense_buckets_1gbit_2x1.txt"
+# SEMI (resize_tp) with rank 1 at half speed against a healthy DTensor tensor-parallel peer and
+# commfx's healthy tensor parallelism (results page, SEMI row), 2 x 1 with no link limit
+timeout 1500 "$COMMFX" bench hf:llama --tp 2 --passes lift,tensor_parallel,resize_tp --vs peer:dtensor_tp \
+  --also healthy-tp=lift,tensor_parallel --healthy baseline --healthy healthy-tp --slow-rank 1:2 --slow-method delay \
+  --model-arg hidden_size=256 --model-arg intermediate_size=1024 --model-arg num_attention_heads=4 --model-arg num_key_value_heads=4 \
+  --batch 8 --nodes 2 --ranks-per-node 1 --inter-node none --steps 20 --warmup 6 --timeout 1400 \
+  --json "$OUT/peers_semi_dtensor_tp_llama_2x1.json" | tee "$OUT/peers_semi_dtensor_tp_llama_2x1.txt"
