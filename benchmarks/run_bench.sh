@@ -165,3 +165,12 @@ timeout 1500 "$COMMFX" bench hf:llama --tp 2 --passes lift,tensor_parallel,resiz
   --model-arg hidden_size=256 --model-arg intermediate_size=1024 --model-arg num_attention_heads=4 --model-arg num_key_value_heads=4 \
   --batch 8 --nodes 2 --ranks-per-node 1 --inter-node none --steps 20 --warmup 6 --timeout 1400 \
   --json "$OUT/peers_semi_dtensor_tp_llama_2x1.json" | tee "$OUT/peers_semi_dtensor_tp_llama_2x1.txt"
+# LocMoE (results page, LocMoE row): the locality gate against switch, hash and GrAP routers, all
+# top-1, dropless and at capacity 1.25, 2 nodes x 1 rank at 100 Mbit/s
+timeout 1500 "$COMMFX" bench gpt-moe --model-arg top_k=1 --passes lift,locality_gate,expert_parallel --vs "lift,locality_gate:gate=switch;mu=0,expert_parallel" \
+  --also "hash=lift,locality_gate:gate=hash,expert_parallel" --also "grap=lift,locality_gate:gate=grap,expert_parallel" \
+  --also "model f0.3=lift,locality_gate:max_remote_fraction=0.3,expert_parallel" --also "model cap=lift,locality_gate,expert_parallel:capacity_factor=1.25" \
+  --also "switch cap=lift,locality_gate:gate=switch;mu=0,expert_parallel:capacity_factor=1.25" --also "hash cap=lift,locality_gate:gate=hash,expert_parallel:capacity_factor=1.25" \
+  --also "grap cap=lift,locality_gate:gate=grap,expert_parallel:capacity_factor=1.25" \
+  --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 7 --warmup 1 --timeout 1400 \
+  --json "$OUT/locmoe_top1_100mbit_2x1.json" | tee "$OUT/locmoe_top1_100mbit_2x1.txt"
