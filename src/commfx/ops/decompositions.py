@@ -39,13 +39,6 @@ def _dispatch(x, indices, num_experts, capacity_factor, capacity_floor=None):
     return x.index_select(0, row_token), counts, slot
 
 
-def _group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if counts.shape[0] == 1:  # one source: already expert-major
-        return rows
-    order = moe._source_to_expert_order(counts, rows.shape[0])
-    return torch.empty_like(rows).index_copy(0, order, rows) if inverse else rows.index_select(0, order)
-
-
 def _body(op) -> Callable:
     """The Python implementation a `torch.library.custom_op` was defined with: traced, it is
     the op's aten form."""
@@ -60,7 +53,7 @@ def compute_decompositions() -> dict[torch._ops.OpOverload, Callable]:
         commfx.moe_scatter_rows.default: _scatter_rows,
         commfx.moe_combine.default: _body(moe.moe_combine),
         commfx.moe_combine_backward.default: _body(moe.moe_combine_backward),
-        commfx.group_by_expert.default: _group_by_expert,
+        commfx.group_by_expert.default: moe.regroup,
         commfx.expert_ffn.default: _body(moe.expert_ffn),
         commfx.expert_ffn_backward.default: _body(moe.expert_ffn_backward),
         commfx.embedding.default: _body(embedding.embedding),

@@ -367,12 +367,17 @@ def group_by_expert(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> 
     for each of its local experts e (source-major). The experts want expert-major order.
     `inverse=True` goes back (before the combine all-to-all).
     """
-    if counts.shape[0] == 1:  # one source: source-major is already expert-major
-        return rows.clone()
+    out = regroup(rows, counts, inverse)
+    return out.clone() if out is rows else out  # an op's output may not alias its input
+
+
+def regroup(rows: torch.Tensor, counts: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """group_by_expert's computation, out of place; `rows` itself from one source, where
+    source-major already is expert-major."""
+    if counts.shape[0] == 1:
+        return rows
     order = _source_to_expert_order(counts, rows.shape[0])
-    if inverse:
-        return torch.empty_like(rows).index_copy_(0, order, rows)
-    return rows.index_select(0, order)
+    return torch.empty_like(rows).index_copy(0, order, rows) if inverse else rows.index_select(0, order)
 
 
 def _source_to_expert_order(counts: torch.Tensor, total: int) -> torch.Tensor:
