@@ -8,9 +8,12 @@ activation and gating product) around the grouped GEMMs, which stay ops of their
 neighbours, and the joint graph's common-subexpression pass merges the hidden layer the
 experts' backward recomputes with the forward's: the partitioner saves it (a GEMM is never
 recomputed), so the backward runs one grouped GEMM fewer, unless an activation memory budget
-says otherwise. Each form computes what its op computes, in the same order of additions;
-communication ops are never opened (they bound the regions). `compute="interpret"` keeps
-the ops whole.
+says otherwise. The packed experts' op (`ops/packed.py`, Lina's packing) opens the same
+way, over all V*k of its assignments: the invalid ones are padding that the grouped GEMMs
+leave out, so no shape depends on the routing and nothing is read back to the host. Each
+form computes what its op computes, in the same order of additions (but packed_expert_ffn's
+sum of a row's k expert outputs); communication ops are never opened (they bound the
+regions). `compute="interpret"` keeps the ops whole.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Callable
 import torch
 
 from . import embedding, moe
+from .grouped_gemm import grouped_mm
 
 commfx = torch.ops.commfx
 
@@ -39,6 +43,60 @@ def _dispatch(x, indices, num_experts, capacity_factor, capacity_floor=None):
     return x.index_select(0, row_token), counts, slot
 
 
+def _packed_layout(local_ids: torch.Tensor, local_experts: int):
+    """packed_expert_ffn's assignments laid out by local expert with a static shape, no host
+    sync: all V*k of them, the valid ones grouped by expert (row order within one, as the op
+    lays them out) and the invalid ones (id -1) last, as padding past sum(counts) that the
+    grouped GEMMs leave out (`ops/grouped_gemm.py`). Returns (order [V*k]: the flat
+    assignment of each laid-out row, counts [L], slot [V, k]: each assignment's row,
+    valid [V, k])."""
+    flat = local_ids.reshape(-1)
+    valid = flat >= 0
+    expert = torch.where(valid, flat, local_experts)  # the padding "expert" L sorts last
+    order = torch.argsort(expert, stable=True)
+    counts = moe.expert_counts(expert, local_experts + 1)[:local_experts]
+    slot = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
+    return order, counts, slot.view_as(local_ids), valid.view_as(local_ids)
+
+
+def _per_row(laid: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[V, k, ...]: each assignment's laid-out row, zeros where it is invalid (`where`: a
+    padding row's value is unspecified); gathered, so no scatter and no atomic adds."""
+    picked = laid[slot]
+    return torch.where(valid.view(valid.shape + (1,) * (picked.dim() - 2)), picked, 0)
+
+
+def _packed_expert_ffn(x, local_ids, weights, gate_up, down, activation):
+    """packed_expert_ffn as a gather of each assignment's row, the grouped expert FFN over
+    all V*k assignments (the invalid ones padding the GEMMs leave out) and, per row, the sum
+    of its weighted expert outputs (over its k choices, in choice order: the op adds them
+    in expert order, which differs only in rounding for k > 2)."""
+    k = local_ids.shape[1]
+    order, counts, slot, valid = _packed_layout(local_ids, gate_up.shape[0])
+    gate_up, down = moe.in_rows_dtype(x, gate_up, down)
+    gate, up = grouped_mm(x.index_select(0, order // k), gate_up, counts).chunk(2, dim=-1)
+    y = grouped_mm(moe.ACTIVATIONS[activation](gate) * up, down, counts)
+    return (_per_row(y, slot, valid) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def _packed_expert_ffn_backward(grad_out, x, local_ids, weights, gate_up, down, activation):
+    """packed_expert_ffn_backward on the same layout: the hidden layer it recomputes is the
+    forward's (the joint graph's common-subexpression pass merges the two), and the rows'
+    and routing weights' gradients are gathered back per assignment and summed per row."""
+    k = local_ids.shape[1]
+    order, counts, slot, valid = _packed_layout(local_ids, gate_up.shape[0])
+    row = order // k
+    laid = x.index_select(0, row)
+    masters = gate_up, down
+    gate_up, down = moe.in_rows_dtype(x, gate_up, down)
+    hidden = grouped_mm(laid, gate_up, counts)
+    grad_laid, grad_gate_up, grad_down, grad_laid_weights = moe.weighted_expert_ffn_backward(
+        grad_out.index_select(0, row), weights.reshape(-1)[order], laid, hidden, counts, gate_up, down, activation)
+    grad_x = _per_row(grad_laid, slot, valid).sum(dim=1)
+    grad_weights = _per_row(grad_laid_weights, slot, valid)  # remote experts' weights: zero gradient here
+    return grad_x, grad_weights, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
+
+
 def _body(op) -> Callable:
     """The Python implementation a `torch.library.custom_op` was defined with: traced, it is
     the op's aten form."""
@@ -56,5 +114,7 @@ def compute_decompositions() -> dict[torch._ops.OpOverload, Callable]:
         commfx.group_by_expert.default: moe.regroup,
         commfx.expert_ffn.default: _body(moe.expert_ffn),
         commfx.expert_ffn_backward.default: _body(moe.expert_ffn_backward),
+        commfx.packed_expert_ffn.default: _packed_expert_ffn,
+        commfx.packed_expert_ffn_backward.default: _packed_expert_ffn_backward,
         commfx.embedding.default: _body(embedding.embedding),
     }
