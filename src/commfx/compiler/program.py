@@ -46,6 +46,7 @@ class RuntimeNeeds:
     expert_placement: dict[str, dict] = field(default_factory=dict)  # packed block path -> placement spec
     tp_resize: dict | None = None  # the SEMI controller's linears, options and units
     shard_states: dict = field(default_factory=dict)  # shard_states: {"stage": 1|2}; {}: states replicated
+    backward_order: str = "graph"  # graph | communicating_first (runtime/backward_order.py)
 
 
 @dataclass

@@ -112,7 +112,9 @@ def vocab_parallel_loss_backward(
     parts: int,
     priority: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gradient of this rank's tokens' hidden states, of its rows of the head)."""
+    """(gradient of this rank's tokens' hidden states, of the logits over this rank's rows).
+    The head's gradient (d logits^T x) is left to the graph: nothing on the wire waits for it,
+    so the backward can run it after the work whose gradients are all-reduced."""
     scheduler = current_scheduler()
     handle = scheduler.group(group)
     sizes = counts.tolist()
@@ -129,15 +131,14 @@ def vocab_parallel_loss_backward(
     owned, row = _rows_of(labels_all, handle.rank * weight.shape[0], weight.shape[0])
     d_logits.scatter_add_(1, row.unsqueeze(1), -owned.to(d_logits.dtype).unsqueeze(1))
     d_logits.mul_(scale.unsqueeze(1))
-    grad_weight = d_logits.t() @ x_all
     partial = d_logits @ weight
     back = scheduler.all_to_all(partial.contiguous(), sizes, [x.shape[0]] * parts, group, priority, "head hidden-state gradients", KIND)
-    return back.view(parts, x.shape[0], x.shape[1]).sum(0), grad_weight
+    return back.view(parts, x.shape[0], x.shape[1]).sum(0), d_logits
 
 
 @vocab_parallel_loss_backward.register_fake
 def _(grad, x, x_all, weight, labels_all, logits, lse, counts, ignore_index, reduction, group, parts, priority):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return torch.empty_like(x), torch.empty_like(logits)
 
 
 def _setup(ctx, inputs, output):
@@ -148,8 +149,9 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad, *unused):
-    grad_x, grad_weight = vocab_parallel_loss_backward(grad, *ctx.saved_tensors, *ctx.args)
-    return grad_x, grad_weight, None, None, None, None, None, None
+    grad_x, d_logits = vocab_parallel_loss_backward(grad, *ctx.saved_tensors, *ctx.args)
+    x_all = ctx.saved_tensors[1]
+    return grad_x, d_logits.t() @ x_all, None, None, None, None, None, None
 
 
 vocab_parallel_loss.register_autograd(_backward, setup_context=_setup)

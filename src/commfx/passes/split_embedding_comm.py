@@ -156,6 +156,7 @@ class SplitEmbeddingComm(Pass):
                 )
             if later:
                 purpose += "; schedule=2d: row gradients exchanged into the next forward, its rows first"
+                program.runtime.backward_order = "communicating_first"  # the dense all-reduce starts before the head's local work
             for lookup in list(table.lookups):
                 if pick == "sparse" and later:
                     _replicated_2d(program, lookup, table, plan, purpose)

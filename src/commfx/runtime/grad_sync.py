@@ -12,7 +12,8 @@ gradients); a bucket is flattened and queued as soon as it and every bucket befo
 complete, in `chunk_bytes` pieces of the `grad` priority class, so the all-reduce runs
 while backward goes on and an all-to-all can overtake it between pieces. Buckets and
 pieces are queued strictly in index order, which is the same on every rank: that keeps
-each group's collective order identical everywhere. `finish` (end of backward) queues
+each group's collective order identical everywhere. A bucket over a group of one rank sends
+nothing, so it holds no later bucket back. `finish` (end of backward) queues
 what is left, with zeros for gradients this step did not produce, waits, and returns the
 reduced gradients.
 
@@ -99,6 +100,8 @@ class GradientSync:
         self.buckets = _make_buckets(slots, bucket_bytes)
         self._bucket_of = {slot: bucket for bucket in self.buckets for slot in bucket.slots}
         self._next = 0
+        self._issued: set[int] = set()  # bucket indices queued this backward
+        self._one_rank: dict[str, bool] = {}  # group -> whether it has a single rank (nothing to send)
         self.defer = False
         self.in_flight: dict[int, InFlight] = {}  # slot -> its deferred bucket
 
@@ -111,15 +114,33 @@ class GradientSync:
         if bucket is None or grad is None:
             return
         bucket.grads[slot] = grad
-        while self._next < len(self.buckets) and self.buckets[self._next].complete():
-            self._issue(self.buckets[self._next])
-            self._next += 1
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if bucket.complete():
+                self._queue(bucket)
+            elif not self._local(bucket):
+                break  # a collective: the next one in every rank's order
+            self._next += 1  # a one-rank bucket sends nothing, so later buckets need not wait for it
+
+    def queue_rest(self) -> None:
+        """Queue every bucket not queued yet (the end of backward), in index order."""
+        for bucket in self.buckets:
+            if bucket.index not in self._issued:
+                self._queue(bucket)
+
+    def _queue(self, bucket: Bucket) -> None:
+        self._issued.add(bucket.index)
+        self._issue(bucket)
+
+    def _local(self, bucket: Bucket) -> bool:
+        if bucket.group not in self._one_rank:
+            self._one_rank[bucket.group] = self.scheduler.group(bucket.group).size == 1
+        return self._one_rank[bucket.group]
 
     def finish(self) -> dict[int, torch.Tensor | None]:
         """Queue the rest, wait for every bucket, and return slot -> reduced gradient (None:
         deferred, see `settle`)."""
-        for bucket in self.buckets[self._next :]:
-            self._issue(bucket)
+        self.queue_rest()
         reduced: dict[int, torch.Tensor | None] = {}
         try:
             for bucket in self.buckets:
@@ -146,6 +167,7 @@ class GradientSync:
             bucket.pending = []
             bucket.flat = None
         self._next = 0
+        self._issued.clear()
 
     @property
     def pending(self) -> bool:

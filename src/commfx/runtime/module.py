@@ -33,6 +33,7 @@ from .expert_placement import Decision, placements_of, replace_experts
 from .deferred_step import DeferredStep, catching_up
 from .executor import REGION_REPORT, BackwardExecutor, ForwardExecutor, GraphExecutor
 from .grad_sync import GradientSync, Slot
+from .backward_order import communicating_first
 from .row_schedule import ROW_OPS, ROW_SCHEDULE, RowSchedule, hoist_row_posts
 from .semi import make_controller
 from .state_shards import ShardedGradSync
@@ -259,9 +260,14 @@ class DistributedModule(torch.nn.Module):
                 return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline, params=params(gm)).run(*args)
 
+        def schedule_backward(gm):
+            hoist_row_posts(gm)
+            if captured.program.runtime.backward_order == "communicating_first":
+                communicating_first(gm, communicating_gradients(gm, captured.grad_sync, self.scheduler))
+
         def backward(gm):
             self.region_reports.append(("backward", gm.meta.get(REGION_REPORT)))
-            hoist_row_posts(gm)
+            schedule_backward(gm)
 
             def run(*args):
                 if self.deferred is not None:
@@ -275,7 +281,7 @@ class DistributedModule(torch.nn.Module):
 
         def hooks(gm, phase):
             if phase == "backward":
-                hoist_row_posts(gm)  # before the regions are cut, so a region ends where rows are posted
+                schedule_backward(gm)  # before the regions are cut, so a region ends where rows are posted
             return region_hooks(gm, phase, captured.grad_sync, self.scheduler, deferred=self.deferred is not None, gathered=gather is not None)
 
         compile_args = {"forward": forward, "backward": backward, "compute": self.plan.compute, "hooks": hooks,
@@ -435,6 +441,13 @@ def regions_note(reports: list[tuple[str, Any]]) -> str | None:
     notes = [n for _, r in done for n in r.notes]
     line = f"compiled regions: {', '.join(parts)}, {left} left interpreted; Inductor {sum(r.seconds for _, r in done):.1f} s"
     return line + (f" ({notes[0]}{'; ...' if len(notes) > 1 else ''})" if notes else "")
+
+
+def communicating_gradients(gm: fx.GraphModule, grad_sync: GradientSync, scheduler: CommScheduler) -> set[fx.Node]:
+    """The backward graph's gradient outputs that a bucket over more than one rank carries."""
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    slots = [s for b in grad_sync.buckets if scheduler.group(b.group).size > 1 for s in b.slots]
+    return {outputs[s] for s in slots if s < len(outputs) and isinstance(outputs[s], fx.Node)}
 
 
 def region_hooks(gm: fx.GraphModule, phase: str, grad_sync: GradientSync, scheduler: CommScheduler, *, deferred: bool, gathered: bool) -> tuple[set, set]:

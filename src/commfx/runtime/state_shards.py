@@ -97,8 +97,7 @@ class ShardedGradSync(GradientSync):
     def finish(self) -> dict[int, torch.Tensor | None]:
         if self.stage < 2:
             return super().finish()
-        for bucket in self.buckets[self._next :]:
-            self._issue(bucket)
+        self.queue_rest()
         reduced: dict[int, torch.Tensor | None] = {}
         try:
             for bucket in self.buckets:
