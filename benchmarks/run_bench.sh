@@ -66,10 +66,9 @@ timeout 900 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucket
   --json "$OUT/wire_bytes_lina_gpt_moe_100mbit_2x1.json" | tee "$OUT/wire_bytes_lina_gpt_moe_100mbit_2x1.txt"
 # RESULTS.md, Lina against DeepSpeed-MoE (issue 29): full Lina, naive expert parallel and
 # peer:deepspeed_moe in one interleaved run (pip install 'commfx[peers]'), toy and Mixtral proportions
-timeout 1500 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --grad-bucket-bytes 262144 \
-  --flops-per-rank 2e10 --collective-overhead 5e-3 \
-  --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a" --vs peer:deepspeed_moe \
-  --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --inter-node 100mbit \
+timeout 1500 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --inter-node 100mbit \
+  --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a,microbatch_overlap,defer_grad_sync" --vs peer:deepspeed_moe \
+  --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 \
   --steps 5 --warmup 1 --steps-per-round 2 --timeout 1400 \
   --json "$OUT/peers_lina_gpt_moe_100mbit_2x1.json" | tee "$OUT/peers_lina_gpt_moe_100mbit_2x1.txt"
 # At Mixtral-8x7B's proportions with the machine measured: no cost-model figure given, the link
