@@ -183,7 +183,7 @@ class BackwardExecutor(GraphExecutor):
     def __init__(self, gm: fx.GraphModule, scheduler: CommScheduler, grad_sync: GradientSync, **kwargs):
         super().__init__(gm, scheduler, phase="backward", **kwargs)
         self.grad_sync = grad_sync
-        self._communicates = any(scheduler.group(b.group).size > 1 for b in getattr(grad_sync, "buckets", ()))
+        self._communicates = bool(grad_sync.communicating_buckets)
         outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
         self._slots: dict[fx.Node, list[int]] = {}
         for slot, value in enumerate(outputs[: grad_sync.num_slots]):

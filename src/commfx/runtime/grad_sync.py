@@ -101,7 +101,7 @@ class GradientSync:
         self._bucket_of = {slot: bucket for bucket in self.buckets for slot in bucket.slots}
         self._next = 0
         self._issued: set[int] = set()  # bucket indices queued this backward
-        self._one_rank: dict[str, bool] = {}  # group -> whether it has a single rank (nothing to send)
+        self._sends: dict[str, bool] = {}  # group -> whether it has more than one rank
         self.defer = False
         self.in_flight: dict[int, InFlight] = {}  # slot -> its deferred bucket
 
@@ -118,7 +118,7 @@ class GradientSync:
             bucket = self.buckets[self._next]
             if bucket.complete():
                 self._queue(bucket)
-            elif not self._local(bucket):
+            elif self.communicates(bucket):
                 break  # a collective: the next one in every rank's order
             self._next += 1  # a one-rank bucket sends nothing, so later buckets need not wait for it
 
@@ -132,10 +132,15 @@ class GradientSync:
         self._issued.add(bucket.index)
         self._issue(bucket)
 
-    def _local(self, bucket: Bucket) -> bool:
-        if bucket.group not in self._one_rank:
-            self._one_rank[bucket.group] = self.scheduler.group(bucket.group).size == 1
-        return self._one_rank[bucket.group]
+    def communicates(self, bucket: Bucket) -> bool:
+        """Whether `bucket`'s all-reduce sends anything (its group has more than one rank)."""
+        if bucket.group not in self._sends:
+            self._sends[bucket.group] = self.scheduler.group(bucket.group).size > 1
+        return self._sends[bucket.group]
+
+    @property
+    def communicating_buckets(self) -> list[Bucket]:
+        return [b for b in self.buckets if self.communicates(b)]
 
     def finish(self) -> dict[int, torch.Tensor | None]:
         """Queue the rest, wait for every bucket, and return slot -> reduced gradient (None:

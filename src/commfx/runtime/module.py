@@ -60,6 +60,8 @@ Recapture = Callable[[tuple, dict], CompiledModel]
 
 # Runtime state a second program would not share: the field of `program.runtime` that holds
 # it -> the pass that made it, and why.
+BACKWARD_SCHEDULED = "commfx_backward_scheduled"  # gm.meta: row posts hoisted, backward_order applied
+
 _STATE_OF_ONE_PROGRAM = {
     "expert_placement": ("pack_experts", "its expert placement and routing statistics are runtime state keyed by the first graph's op ids"),
     "tp_resize": ("resize_tp", "its shard widths are runtime state keyed by the first graph's op ids"),
@@ -260,10 +262,13 @@ class DistributedModule(torch.nn.Module):
                 return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
             return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline, params=params(gm)).run(*args)
 
-        def schedule_backward(gm):
+        def schedule_backward(gm):  # once: before the regions are cut under Inductor, else for the interpreter
+            if gm.meta.get(BACKWARD_SCHEDULED):
+                return
+            gm.meta[BACKWARD_SCHEDULED] = True
             hoist_row_posts(gm)
             if captured.program.runtime.backward_order == "communicating_first":
-                communicating_first(gm, communicating_gradients(gm, captured.grad_sync, self.scheduler))
+                communicating_first(gm, communicating_gradients(gm, captured.grad_sync))
 
         def backward(gm):
             self.region_reports.append(("backward", gm.meta.get(REGION_REPORT)))
@@ -281,8 +286,8 @@ class DistributedModule(torch.nn.Module):
 
         def hooks(gm, phase):
             if phase == "backward":
-                schedule_backward(gm)  # before the regions are cut, so a region ends where rows are posted
-            return region_hooks(gm, phase, captured.grad_sync, self.scheduler, deferred=self.deferred is not None, gathered=gather is not None)
+                schedule_backward(gm)  # so a region ends where rows are posted
+            return region_hooks(gm, phase, captured.grad_sync, deferred=self.deferred is not None, gathered=gather is not None)
 
         compile_args = {"forward": forward, "backward": backward, "compute": self.plan.compute, "hooks": hooks,
                         "activation_memory_budget": self.plan.activation_memory_budget}
@@ -443,14 +448,14 @@ def regions_note(reports: list[tuple[str, Any]]) -> str | None:
     return line + (f" ({notes[0]}{'; ...' if len(notes) > 1 else ''})" if notes else "")
 
 
-def communicating_gradients(gm: fx.GraphModule, grad_sync: GradientSync, scheduler: CommScheduler) -> set[fx.Node]:
+def communicating_gradients(gm: fx.GraphModule, grad_sync: GradientSync) -> set[fx.Node]:
     """The backward graph's gradient outputs that a bucket over more than one rank carries."""
     outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    slots = [s for b in grad_sync.buckets if scheduler.group(b.group).size > 1 for s in b.slots]
+    slots = [s for b in grad_sync.communicating_buckets for s in b.slots]
     return {outputs[s] for s in slots if s < len(outputs) and isinstance(outputs[s], fx.Node)}
 
 
-def region_hooks(gm: fx.GraphModule, phase: str, grad_sync: GradientSync, scheduler: CommScheduler, *, deferred: bool, gathered: bool) -> tuple[set, set]:
+def region_hooks(gm: fx.GraphModule, phase: str, grad_sync: GradientSync, *, deferred: bool, gathered: bool) -> tuple[set, set]:
     """Where this runtime acts in a lowered graph, as (nodes a compiled region must start at,
     nodes it must end after): in backward each communicating gradient bucket's last gradient
     (its all-reduce starts there); in forward the first use of a deferred bucket's parameters
@@ -459,7 +464,7 @@ def region_hooks(gm: fx.GraphModule, phase: str, grad_sync: GradientSync, schedu
     before: set[fx.Node] = set()
     after: set[fx.Node] = set()
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    buckets = [b for b in grad_sync.buckets if scheduler.group(b.group).size > 1]
+    buckets = grad_sync.communicating_buckets
     if phase == "backward":
         outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
         for bucket in buckets:
