@@ -4,10 +4,11 @@ Each row times one kernel (median of `triton.testing.do_bench`, CUDA events, aft
 on inputs with Mixtral-8x7B's expert proportions scaled to fit one launch well past its
 overhead, and states the floor it is measured against:
 
-- grouped GEMM (the experts' up projection): commfx's Triton kernel, torch's
-  `torch._grouped_mm` (cuBLAS/CUTLASS grouped GEMM) where this torch has it, and one
+- grouped GEMM (the experts' up projection): commfx's entry point (cuBLAS's grouped GEMM
+  where bf16 operands fit), its Triton kernel alone, torch's `torch._grouped_mm`, and one
   matmul per expert (what a plain loop does); floor = FLOPs ÷ the measured dense bf16 rate;
-- the weight gradient of the same GEMM;
+- the weight gradient of the same GEMM, the same four ways, and with the cast to the float32
+  master weights' layout a bf16 step adds;
 - packed experts (gate-up, activation, down, weighted scatter-add; Lina's packing);
 - row gather / scatter-add (the dispatch permutation), against `index_select` /
   `index_add_`; floor = bytes read + written ÷ the measured copy bandwidth;
@@ -31,7 +32,8 @@ from commfx import kernels as K
 from commfx.bench.run_record import RunRecorder
 from commfx.ops import fp8_dispatch
 
-packed_module = sys.modules["commfx.kernels.packed_experts"]  # the package's name is the function
+packed_module = sys.modules["commfx.kernels.packed_experts"]  # the package's names are the functions
+grouped_module = sys.modules["commfx.kernels.grouped_mm"]
 EXPERTS, HIDDEN, INNER = 8, 4096, 3584  # Mixtral-8x7B's 8 experts and hidden width; a quarter of its 14336 inner width
 TOKENS = 16384  # routed rows (top-2 of 8192 tokens)
 PROPORTIONS = "mixtral-8x7b shapes, inner width / 4"
@@ -63,38 +65,56 @@ def uneven_counts(total: int, experts: int, seed: int = 0) -> torch.Tensor:
 
 
 def grouped_rows(ceiling: dict, dtype=torch.bfloat16) -> list[dict]:
+    """The experts' up projection and its weight gradient: commfx's entry points (cuBLAS's
+    grouped GEMM where bf16 operands fit, else Triton), its Triton kernels alone, what a
+    user would call instead, and the weight gradient's cost delivered as the bf16 step
+    consumes it (cast to float32 master weights' contiguous layout)."""
     counts = uneven_counts(TOKENS, EXPERTS)
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=dtype)
     w = torch.randn(EXPERTS, INNER, HIDDEN, device="cuda", dtype=dtype) * HIDDEN**-0.5
     c = counts.cuda()
-    flops = 2 * TOKENS * HIDDEN * INNER
-    floor_ms = flops / ceiling["bf16_TFLOPs"] / 1e9
-    rows = []
-    ours = K.grouped_mm(x, w, c)
+    floor_ms = 2 * TOKENS * HIDDEN * INNER / ceiling["bf16_TFLOPs"] / 1e9
+    sizes = counts.tolist()
 
     def loop():
         out, start = x.new_empty(TOKENS, INNER), 0
-        for e, n in enumerate(counts.tolist()):
+        for e, n in enumerate(sizes):
             out[start : start + n] = x[start : start + n] @ w[e].T
             start += n
         return out
 
-    reference = loop()
-    error = ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
-    rows.append({"kernel": "grouped GEMM (up proj) · commfx Triton", "ms": bench(lambda: K.grouped_mm(x, w, c)), "floor_ms": floor_ms, "rel_error": error})
-    rows.append({"kernel": "grouped GEMM · one matmul per expert", "ms": bench(loop), "floor_ms": floor_ms})
-    if hasattr(torch, "_grouped_mm"):
-        offsets = torch.cumsum(c, 0).to(torch.int32)
-        try:
-            theirs = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-            rows.append({
-                "kernel": "grouped GEMM · torch._grouped_mm", "ms": bench(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)),
-                "floor_ms": floor_ms, "rel_error": ((theirs.float() - reference.float()).norm() / reference.float().norm()).item(),
-            })
-        except Exception as error:  # noqa: BLE001 - reported in the table
-            rows.append({"kernel": f"grouped GEMM · torch._grouped_mm unavailable: {str(error)[:60]}", "ms": float("nan"), "floor_ms": floor_ms})
+    reference = loop().float()
+    error = lambda out: ((out.float() - reference).norm() / reference.norm()).item()  # noqa: E731
+    offsets = torch.cumsum(c, 0).to(torch.int32)
+    forward = {
+        "grouped GEMM (up proj) · commfx grouped_mm": lambda: K.grouped_mm(x, w, c),
+        "grouped GEMM · commfx Triton kernel": lambda: grouped_module._grouped_mm_triton(x, w, c),
+        "grouped GEMM · torch._grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets),
+        "grouped GEMM · one matmul per expert": loop,
+    }
+    rows = [{"kernel": name, "ms": bench(fn), "floor_ms": floor_ms, "rel_error": error(fn())} for name, fn in forward.items()]
+
     grad = torch.randn(TOKENS, INNER, device="cuda", dtype=dtype)
-    rows.append({"kernel": "grouped GEMM weight grad · commfx Triton", "ms": bench(lambda: K.grouped_mm_weight_grad(grad, x, c)), "floor_ms": floor_ms})
+
+    def grad_loop():
+        out, start = x.new_empty(EXPERTS, INNER, HIDDEN), 0
+        for e, n in enumerate(sizes):
+            torch.mm(grad[start : start + n].t(), x[start : start + n], out=out[e])
+            start += n
+        return out
+
+    grad_reference = grad_loop().float()
+    grad_error = lambda out: ((out.float() - grad_reference).norm() / grad_reference.norm()).item()  # noqa: E731
+    weight_grad = {
+        "weight grad · commfx grouped_mm_weight_grad": lambda: K.grouped_mm_weight_grad(grad, x, c),
+        "weight grad · commfx Triton kernel": lambda: grouped_module._grouped_mm_weight_grad_triton(grad, x, c),
+        "weight grad · torch._grouped_mm, row-major [E, N, K] out": lambda: torch._grouped_mm(grad.t(), x, offs=offsets),
+        "weight grad · one matmul per expert": grad_loop,
+        "weight grad + float32 contiguous cast · commfx": lambda: K.grouped_mm_weight_grad(grad, x, c).to(
+            torch.float32, memory_format=torch.contiguous_format),
+        "weight grad + float32 cast · row-major [E, N, K] out": lambda: torch._grouped_mm(grad.t(), x, offs=offsets).float(),
+    }
+    rows += [{"kernel": name, "ms": bench(fn), "floor_ms": floor_ms, "rel_error": grad_error(fn())} for name, fn in weight_grad.items()]
     return rows
 
 

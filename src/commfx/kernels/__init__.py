@@ -11,6 +11,7 @@ from .grouped_mm import (
     grouped_mm_reference,
     grouped_mm_weight_grad,
     grouped_mm_weight_grad_reference,
+    weight_grad_empty,
 )
 from .packed_experts import packed_experts, packed_experts_reference
 from .permute import (
@@ -31,4 +32,5 @@ __all__ = [
     "packed_experts_reference",
     "scatter_add_rows",
     "scatter_add_rows_reference",
+    "weight_grad_empty",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "grouped_mm_reference",
     "grouped_mm_weight_grad",
     "grouped_mm_weight_grad_reference",
+    "weight_grad_empty",
 ]
 
 # dtypes the Triton kernels handle; anything else takes the torch reference.
@@ -268,13 +269,14 @@ def _grouped_mm_triton(
 def _grouped_mm_weight_grad_triton(
     grad_out: Tensor, x: Tensor, counts: Tensor, *,
     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> Tensor:
     if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
         raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
     if grad_out.dtype != x.dtype:
         raise TypeError(f"grad_out and x dtypes differ: {grad_out.dtype} vs {x.dtype}")
     e, n, k = counts.shape[0], grad_out.shape[1], x.shape[1]
-    out = x.new_empty((e, n, k))
+    out = weight_grad_empty(x, e, n, k)
     if out.numel() == 0:
         return out
     bm, bn, bk = _default_blocks(x.dtype)
@@ -289,6 +291,7 @@ def _grouped_mm_weight_grad_triton(
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         INPUT_PRECISION=_input_precision(x.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -315,12 +318,33 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True) ->
 
 
 def grouped_mm_weight_grad(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
-    """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True)."""
+    """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True).
+
+    Its strides are those of `weight_grad_empty`: on CUDA a transposed view of an
+    [E, K, N] buffer, elsewhere contiguous."""
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
-        if x.shape[0] > 0 and grad_out.dim() == 2 and _cublas_fits(grad_out.t(), x, out_cols=x.shape[-1]):
+        if x.shape[0] > 0 and grad_out.dim() == 2 and _cublas_fits(x.t(), grad_out, out_cols=grad_out.shape[-1]):
             return _grouped_mm_weight_grad_cublas(grad_out, x, counts)
         return _grouped_mm_weight_grad_triton(grad_out, x, counts)
     return grouped_mm_weight_grad_reference(grad_out, x, counts)
+
+
+def weight_grad_transposed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm_weight_grad's [E, N, K] result is a transposed view of an [E, K, N]
+    buffer (so each expert's gradient is column-major). On CUDA it is: cuBLAS's grouped GEMM
+    contracts the rows 1.4x faster writing x_e.T @ grad_out_e than grad_out_e.T @ x_e (0.94
+    of the bf16 floor against 0.68 on an H200 at Mixtral-8x7B widths), and whatever consumes
+    the gradient (a cast to the float32 master weights, an accumulation) reads any strides.
+    The Triton kernel writes the same layout so the fake tensor can say it without knowing
+    which kernel runs. The CPU reference stays contiguous."""
+    return device.type == "cuda" and dtype in _TRITON_DTYPES
+
+
+def weight_grad_empty(like: Tensor, experts: int, n: int, k: int) -> Tensor:
+    """An uninitialised [E, N, K] weight gradient with the strides grouped_mm_weight_grad gives."""
+    if weight_grad_transposed(like.device, like.dtype):
+        return like.new_empty((experts, k, n)).transpose(1, 2)
+    return like.new_empty((experts, n, k))
 
 
 # --------------------------------------------------------------------------
@@ -376,6 +400,6 @@ def _grouped_mm_weight_grad_cublas(grad_out: Tensor, x: Tensor, counts: Tensor) 
     with no rows gets zeros (masked on the device, whatever the library leaves there)."""
     if grad_out.shape[0] != x.shape[0]:
         raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
-    out = torch._grouped_mm(grad_out.t(), x, offs=_offsets(counts, x.device))
+    out = torch._grouped_mm(x.t(), grad_out, offs=_offsets(counts, x.device)).transpose(1, 2)
     empty = counts.to(device=x.device) == 0
     return out.masked_fill_(empty.view(-1, 1, 1), 0)
