@@ -308,6 +308,17 @@ def _case_weight_grad(dtype, counts, k, n):
     return run
 
 
+def _case_zero_empty_experts(dtype):
+    def run():
+        out = _small_values((5, 3, 7), dtype, 3) + 1  # no zeros to begin with
+        before = out.clone()
+        counts = torch.tensor([0, 4, 0, 1, 0])
+        gm_mod._zero_empty_experts(out, counts, block=8)  # 21 elements an expert: 3 blocks, the last partial
+        assert torch.count_nonzero(out[[0, 2, 4]]) == 0
+        assert torch.equal(out[[1, 3]], before[[1, 3]])
+    return run
+
+
 def _small_values(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -388,6 +399,7 @@ INTERP_CASES = {
         f"weight_grad-{_dtype_id(dt)}": _case_weight_grad(dt, [0, 5, 17, 0, 3], k=20, n=37)
         for dt in (torch.float32, torch.float16)
     },
+    **{f"zero_empty_experts-{_dtype_id(dt)}": _case_zero_empty_experts(dt) for dt in (torch.float32, torch.float16)},
     **{f"gather-{_dtype_id(dt)}": _case_gather(dt) for dt in (torch.float32, torch.float16, torch.int8)},
     **{f"scatter_add-{_dtype_id(dt)}": _case_scatter(dt) for dt in (torch.float32, torch.float16, torch.int8)},
 }
@@ -454,6 +466,7 @@ def _compile_all() -> dict:
         check(f"grouped_mm-{dt}", gm_mod._grouped_mm_kernel, ptrs, dict(blocks, BLOCK_E=64))
         if dt != "bf16":
             check(f"weight_grad-{dt}", gm_mod._grouped_mm_weight_grad_kernel, ptrs, blocks)
+        check(f"zero_empty_experts-{dt}", gm_mod._zero_empty_experts_kernel, {"out_ptr": f"*{dt}", "counts_ptr": "*i64"}, dict(BLOCK=4096))
     for dt, acc in (("fp16", tl.float32), ("i8", tl.int32)):
         ptrs = dict(x_ptr=f"*{dt}", src_ptr=f"*{dt}", out_ptr=f"*{dt}", index_ptr="*i64",
                     order_ptr="*i64", seg_offsets_ptr="*i64")
@@ -483,7 +496,7 @@ def test_triton_kernels_compile_for_sm90(tmp_path):
         drop_env=("TRITON_INTERPRET",),
     )
     failed = {k: v for k, v in results.items() if v is not None}
-    assert len(results) == 15 and not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+    assert len(results) == 18 and not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
 # --------------------------------------------------------------------------

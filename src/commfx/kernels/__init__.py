@@ -11,7 +11,6 @@ from .grouped_mm import (
     grouped_mm_reference,
     grouped_mm_weight_grad,
     grouped_mm_weight_grad_reference,
-    weight_grad_empty,
 )
 from .packed_experts import packed_experts, packed_experts_reference
 from .permute import (
@@ -32,5 +31,4 @@ __all__ = [
     "packed_experts_reference",
     "scatter_add_rows",
     "scatter_add_rows_reference",
-    "weight_grad_empty",
 ]

@@ -28,7 +28,6 @@ __all__ = [
     "grouped_mm_reference",
     "grouped_mm_weight_grad",
     "grouped_mm_weight_grad_reference",
-    "weight_grad_empty",
 ]
 
 # dtypes the Triton kernels handle; anything else takes the torch reference.
@@ -211,6 +210,18 @@ def _grouped_mm_weight_grad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
 
 
+@triton.jit
+def _zero_empty_experts_kernel(out_ptr, counts_ptr, per_expert, BLOCK: tl.constexpr):
+    """Zero out[e] (per_expert contiguous elements) where counts[e] == 0; every other
+    program reads one count and exits, so the pass costs a launch, not a sweep of out."""
+    expert = tl.program_id(0)
+    if tl.load(counts_ptr + expert) != 0:
+        return
+    offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    base = out_ptr + expert.to(tl.int64) * per_expert
+    tl.store(base + offsets, tl.zeros((BLOCK,), dtype=out_ptr.dtype.element_ty), mask=offsets < per_expert)
+
+
 # --------------------------------------------------------------------------
 # launchers (called directly by the interpreter tests with CPU tensors)
 # --------------------------------------------------------------------------
@@ -225,6 +236,16 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _default_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
     # Untuned defaults (no autotune so the same code runs under the interpreter).
     return (64, 128, 32) if dtype == torch.float32 else (64, 128, 64)
+
+
+def _weight_grad_config(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows contracted, BLOCK_N, BLOCK_K, warps, stages) for the weight-gradient
+    kernel. 16-bit: a 128 x 256 output tile, 8 warps, chosen on an H200 at Mixtral-8x7B
+    widths (0.79-0.82 of the bf16 floor against 0.38 for the forward's blocks,
+    benchmarks/log/2026-11-28-gpu_weight_grad_h200.jsonl); float32's tile must fit shared memory."""
+    if dtype == torch.float32:
+        return (*_default_blocks(dtype), 4, 3)
+    return 64, 128, 256, 8, 3
 
 
 def _exclusive_cumsum(t: Tensor) -> Tensor:
@@ -269,17 +290,16 @@ def _grouped_mm_triton(
 def _grouped_mm_weight_grad_triton(
     grad_out: Tensor, x: Tensor, counts: Tensor, *,
     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-    num_warps: int = 4, num_stages: int = 3,
 ) -> Tensor:
     if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
         raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
     if grad_out.dtype != x.dtype:
         raise TypeError(f"grad_out and x dtypes differ: {grad_out.dtype} vs {x.dtype}")
     e, n, k = counts.shape[0], grad_out.shape[1], x.shape[1]
-    out = weight_grad_empty(x, e, n, k)
+    out = x.new_empty((e, n, k))
     if out.numel() == 0:
         return out
-    bm, bn, bk = _default_blocks(x.dtype)
+    bm, bn, bk, warps, stages = _weight_grad_config(x.dtype)
     bm, bn, bk = block_m or bm, block_n or bn, block_k or bk
     row_offsets = _exclusive_cumsum(counts.to(device=x.device, dtype=torch.int64))
     grid = (e, triton.cdiv(n, bn), triton.cdiv(k, bk))
@@ -291,8 +311,21 @@ def _grouped_mm_weight_grad_triton(
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         INPUT_PRECISION=_input_precision(x.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=warps, num_stages=stages,
     )
+    return out
+
+
+def _zero_empty_experts(out: Tensor, counts: Tensor, *, block: int = 4096) -> Tensor:
+    """out[e] = 0 in place for every expert with no rows, reading counts on the device."""
+    if not out.is_contiguous():
+        raise ValueError(f"expected a contiguous [E, ...] gradient, got strides {out.stride()}")
+    experts = out.shape[0]
+    per_expert = out[0].numel() if experts else 0
+    if per_expert == 0:
+        return out
+    counts = counts.to(device=out.device, dtype=torch.int64)
+    _zero_empty_experts_kernel[(experts, triton.cdiv(per_expert, block))](out, counts, per_expert, BLOCK=block)
     return out
 
 
@@ -318,33 +351,12 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True) ->
 
 
 def grouped_mm_weight_grad(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
-    """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True).
-
-    Its strides are those of `weight_grad_empty`: on CUDA a transposed view of an
-    [E, K, N] buffer, elsewhere contiguous."""
+    """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True)."""
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
-        if x.shape[0] > 0 and grad_out.dim() == 2 and _cublas_fits(x.t(), grad_out, out_cols=grad_out.shape[-1]):
+        if x.shape[0] > 0 and grad_out.dim() == 2 and _cublas_fits(grad_out.t(), x, out_cols=x.shape[-1]):
             return _grouped_mm_weight_grad_cublas(grad_out, x, counts)
         return _grouped_mm_weight_grad_triton(grad_out, x, counts)
     return grouped_mm_weight_grad_reference(grad_out, x, counts)
-
-
-def weight_grad_transposed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm_weight_grad's [E, N, K] result is a transposed view of an [E, K, N]
-    buffer (so each expert's gradient is column-major). On CUDA it is: cuBLAS's grouped GEMM
-    contracts the rows 1.4x faster writing x_e.T @ grad_out_e than grad_out_e.T @ x_e (0.94
-    of the bf16 floor against 0.68 on an H200 at Mixtral-8x7B widths), and whatever consumes
-    the gradient (a cast to the float32 master weights, an accumulation) reads any strides.
-    The Triton kernel writes the same layout so the fake tensor can say it without knowing
-    which kernel runs. The CPU reference stays contiguous."""
-    return device.type == "cuda" and dtype in _TRITON_DTYPES
-
-
-def weight_grad_empty(like: Tensor, experts: int, n: int, k: int) -> Tensor:
-    """An uninitialised [E, N, K] weight gradient with the strides grouped_mm_weight_grad gives."""
-    if weight_grad_transposed(like.device, like.dtype):
-        return like.new_empty((experts, k, n)).transpose(1, 2)
-    return like.new_empty((experts, n, k))
 
 
 # --------------------------------------------------------------------------
@@ -397,9 +409,10 @@ def _grouped_mm_cublas(x: Tensor, w_kn: Tensor, counts: Tensor) -> Tensor:
 
 def _grouped_mm_weight_grad_cublas(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     """[e] = grad_out_e.T @ x_e: the rows are the contraction, grouped by `counts`. An expert
-    with no rows gets zeros (masked on the device, whatever the library leaves there)."""
+    with no rows gets zeros, whatever the library leaves there: written by a kernel that
+    touches only those experts (a masked fill of the whole gradient cost a quarter of the
+    GEMM's time on an H200)."""
     if grad_out.shape[0] != x.shape[0]:
         raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
-    out = torch._grouped_mm(x.t(), grad_out, offs=_offsets(counts, x.device)).transpose(1, 2)
-    empty = counts.to(device=x.device) == 0
-    return out.masked_fill_(empty.view(-1, 1, 1), 0)
+    out = torch._grouped_mm(grad_out.t(), x, offs=_offsets(counts, x.device))
+    return _zero_empty_experts(out, counts)

@@ -94,7 +94,7 @@ def _packed_expert_ffn_backward(grad_out, x, local_ids, weights, gate_up, down, 
         grad_out.index_select(0, row), weights.reshape(-1)[order], laid, hidden, counts, gate_up, down, activation)
     grad_x = _per_row(grad_laid, slot, valid).sum(dim=1)
     grad_weights = _per_row(grad_laid_weights, slot, valid)  # remote experts' weights: zero gradient here
-    return grad_x, grad_weights, moe.as_master_gradient(grad_gate_up, masters[0]), moe.as_master_gradient(grad_down, masters[1])
+    return grad_x, grad_weights, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
 
 
 def _body(op) -> Callable:

@@ -283,16 +283,6 @@ def in_rows_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor
     return tuple(w if w.dtype == x.dtype else w.to(x.dtype) for w in weights)
 
 
-def as_master_gradient(grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """A weight's gradient in its master's dtype and strides, as the backward ops' fakes
-    promise (the grouped GEMM may hand it back column-major on CUDA). No copy when they agree."""
-    if grad.dtype == master.dtype and grad.stride() == master.stride():
-        return grad
-    if not master.is_contiguous():
-        return torch.empty_like(master).copy_(grad)
-    return grad.to(master.dtype, memory_format=torch.contiguous_format, copy=True)
-
-
 @expert_ffn.register_fake
 def _(x, counts, gate_up, down, activation):
     return x.new_empty((x.shape[0], down.shape[1]))
@@ -319,7 +309,7 @@ def expert_ffn_backward(
     gate_up, down = in_rows_dtype(x, gate_up, down)
     hidden = grouped_mm(x, gate_up, counts)  # recomputed: cheaper in memory than saving it
     grad_x, grad_gate_up, grad_down = expert_ffn_backward_from_hidden(grad_out, x, hidden, counts, gate_up, down, activation)
-    return grad_x, as_master_gradient(grad_gate_up, masters[0]), as_master_gradient(grad_down, masters[1])
+    return grad_x, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
 
 
 def expert_ffn_backward_from_hidden(

@@ -27,7 +27,7 @@ import torch
 from ..kernels import grouped_mm, packed_experts
 from ..runtime.expert_placement import current_placements
 from .autocast import register_autocast
-from .moe import as_master_gradient, expert_capacity, expert_counts, in_rows_dtype, weighted_expert_ffn_backward
+from .moe import expert_capacity, expert_counts, in_rows_dtype, weighted_expert_ffn_backward
 
 # ---------------------------------------------------------------------------- source side
 
@@ -377,7 +377,7 @@ def packed_expert_ffn_backward(
     grad_x = torch.zeros_like(x).index_add_(0, row, grad_laid)
     grad_weights = torch.zeros_like(weights).view(-1).index_put_((order,), grad_laid_weights).view_as(weights)
     # remote experts' weights: zero gradient here
-    return grad_x, grad_weights, as_master_gradient(grad_gate_up, masters[0]), as_master_gradient(grad_down, masters[1])
+    return grad_x, grad_weights, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
 
 
 @packed_expert_ffn_backward.register_fake
