@@ -48,10 +48,14 @@ class Topology:
     inter_node_bandwidth: float = 12.5e9  # bytes/s of one node's link
     inter_node_latency_s: float = 5e-6
     intra_node_bandwidth: float = 100e9  # bytes/s between ranks of one node
+    intra_node_latency_s: float = 3e-6
     flops_per_s: float = 100e12  # per rank
     # fixed cost of one collective beyond the wire's latency: launch, software stack, waiting
     # for the slowest peer (tens of microseconds with NCCL; milliseconds for gloo on shared CPUs)
     collective_overhead_s: float = 20e-6
+    # what each message of a collective adds (posting and completing one send: a few microseconds);
+    # the hierarchical all-to-all's cost model counts messages (cost.all_to_all)
+    message_overhead_s: float = 2e-6
     # what one more chunk of a partitioned MoE region costs (a collective and smaller kernels):
     # 0 = the device's typical figure (cost.moe.CHUNK_OVERHEAD_S); Plan(machine="measure") sets
     # it to the measured cost of one collective

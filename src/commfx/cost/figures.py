@@ -1,7 +1,7 @@
 """The topology's figures the cost models read, as a record.
 
 Automatic choices (partition_a2a's k and gradient chunk, shard_states' bucket size,
-split_embedding_comm's strategy) are made from these fields of `Topology` and from
+split_embedding_comm's strategy, hierarchical_a2a's algorithm per all-to-all) are made from these fields of `Topology` and from
 nothing else of the machine. `commfx bench` records them with each plan (measured on the
 ranks or given), and `commfx simulate` compiles with a run's record so that it chooses
 what the run chose.
@@ -16,6 +16,7 @@ from ..plan import Topology
 FIGURES = (
     "flops_per_s", "collective_overhead_s", "chunk_overhead_s",
     "inter_node_bandwidth", "inter_node_latency_s", "intra_node_bandwidth",
+    "intra_node_latency_s", "message_overhead_s",
 )
 
 
