@@ -42,6 +42,10 @@ class RuntimeNeeds:
     reduced_in_graph: list[str] = field(default_factory=list)  # gradients the graph sums itself
     comm_schedule: CommSchedule = field(default_factory=CommSchedule)
     a2a_algorithm: str = "flat"  # flat | hierarchical
+    # all-to-all tag prefix (an MoE block's dispatch or combine) -> flat | hierarchical: the
+    # algorithm of those all-to-alls, forward and backward (hierarchical_a2a:enabled=auto);
+    # the others take a2a_algorithm (runtime.hierarchical_a2a.algorithm_for)
+    a2a_sites: dict[str, str] = field(default_factory=dict)
     grad_sync: str = "backward"  # backward | next_forward (deferred into the next step)
     expert_placement: dict[str, dict] = field(default_factory=dict)  # packed block path -> placement spec
     tp_resize: dict | None = None  # the SEMI controller's linears, options and units

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import DEFAULT_CLASS, PRIORITY_CLASSES, Topology
-from .hierarchical_a2a import PHASES, NodeLayout, hierarchical_all_to_all
+from .hierarchical_a2a import PHASES, NodeLayout, algorithm_for, hierarchical_all_to_all
 from .priority import Dispatcher, Pending
 from .stream_lanes import StreamLanes, lane_group_options
 from .works import Running, reduce_scatter_by_all_to_all, work_in_thread
@@ -85,7 +85,10 @@ class CommScheduler:
     returns at once, `wait_tensor` / `wait` block until it is done (bounded by
     `timeout_s`); the blocking forms are start + wait. `a2a_algorithm` is "flat" (one
     all_to_all_single) or "hierarchical" (see `hierarchical_a2a.py`: each remote node gets
-    a row once, forwarded inside the node; same result bit for bit) for groups that span nodes. `local_only=True` replaces every
+    a row once, forwarded inside the node; same result bit for bit) for groups that span nodes;
+    `a2a_sites` overrides it per tag prefix (an MoE block's dispatch or combine, see
+    `hierarchical_a2a.algorithm_for`), so one program runs some all-to-alls flat and others
+    hierarchically. `local_only=True` replaces every
     collective by a local copy of the same size (the compute-only baseline of `commfx
     bench`); `records`, when a list, receives a CollectiveRecord per collective (to replay
     communication alone).
@@ -101,6 +104,7 @@ class CommScheduler:
         self.records: list[CollectiveRecord] | None = None
         self.dispatcher = StreamLanes() if device_type == "cuda" else Dispatcher()  # CUDA: NCCL streams, see stream_lanes.py
         self.a2a_algorithm = "flat"
+        self.a2a_sites: dict[str, str] = {}  # tag prefix -> algorithm (hierarchical_a2a:enabled=auto)
         self._count_lock = threading.Lock()  # the dispatcher thread counts hierarchical phases
         self._started: dict[int, Pending] = {}  # id(output tensor) -> its collective
         self.op_state: dict = {}  # state an op reads when it runs, keyed by op id (e.g. resizable tp linears)
@@ -138,7 +142,8 @@ class CommScheduler:
         if len(send_rows) != handle.size or len(recv_rows) != handle.size:
             raise CommError(f"all_to_all on {group!r} needs {handle.size} splits, got {len(send_rows)}/{len(recv_rows)}")
         layout = NodeLayout(tuple(self.topology.node_of(r) for r in handle.ranks))
-        hierarchical = self.a2a_algorithm == "hierarchical" and layout.spans_nodes() and not self.local_only
+        algorithm = algorithm_for(tag, self.a2a_sites, self.a2a_algorithm) if self.a2a_sites else self.a2a_algorithm
+        hierarchical = algorithm == "hierarchical" and layout.spans_nodes() and not self.local_only
         row_bytes = _row_bytes(x)
         if not hierarchical:  # the hierarchical phases count themselves when they run
             self._count(kind, handle, {handle.ranks[i]: n * row_bytes for i, n in enumerate(send_rows)})

@@ -83,6 +83,18 @@ class NodeLayout:
         return [s for s in range(self.size) if self.nodes[s] != self.nodes[f] and self.forwarder(s, self.nodes[f]) == f]
 
 
+def algorithm_for(tag: str, sites: dict[str, str], default: str) -> str:
+    """The algorithm of the all-to-all tagged `tag`: that of the longest site key the tag
+    starts with (the key itself, or the key and a space: "layers.0.moe dispatch" covers its
+    chunks "... 2/4", micro-batches "... mb 1/2" and backward "... (bw)"), else `default`.
+    `sites` is hierarchical_a2a:enabled=auto's choice per MoE block's dispatch and combine."""
+    best = None
+    for key in sites:
+        if (tag == key or tag.startswith(key + " ")) and (best is None or len(key) > len(best)):
+            best = key
+    return sites[best] if best is not None else default
+
+
 def _word_view(rows: torch.Tensor) -> torch.Tensor:
     """The rows' bits as an (n, words) integer tensor, the widest integer that divides a row."""
     n = rows.shape[0]

@@ -483,8 +483,8 @@ def region_hooks(gm: fx.GraphModule, phase: str, grad_sync: GradientSync, *, def
 
 
 def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler, named_params, *, group_of=None) -> GradientSync:
-    """Apply `program`'s comm schedule (set by partition_a2a) and all-to-all algorithm (set by
-    hierarchical_a2a) to `scheduler` (priority on or off) and return the gradient sync for
+    """Apply `program`'s comm schedule (set by partition_a2a) and all-to-all algorithms (set by
+    hierarchical_a2a: one for every all-to-all, or one per MoE site) to `scheduler` (priority on or off) and return the gradient sync for
     `named_params` (in aot_autograd's order): plan's bucket size (shard_states may set its own), the
     schedule's chunk size; sharded buckets under shard_states."""
     needs = program.runtime
@@ -492,6 +492,7 @@ def configure_comm(program: CompiledModel, plan: Plan, scheduler: CommScheduler,
     reduced_in_graph = set(needs.reduced_in_graph)  # e.g. sparse embedding exchange
     scheduler.dispatcher.enforce_priority = schedule.priority
     scheduler.a2a_algorithm = needs.a2a_algorithm
+    scheduler.a2a_sites = dict(needs.a2a_sites)
     slots = [
         Slot(name, param, None if name in reduced_in_graph else group_of(name) if group_of else (shards[name]["replicated_over"] if name in shards else "dp"))
         for name, param in named_params
