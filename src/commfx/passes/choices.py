@@ -29,6 +29,9 @@ def automatic_choices(program: Program, plan: Plan) -> dict[str, str]:
             out["partition_a2a:grad_chunk_bytes"] = str(program.runtime.comm_schedule.grad_chunk_bytes)
     if "shard_states" in names and plan_options(plan, "shard_states").bucket_bytes == "auto":
         out["shard_states:bucket_bytes"] = str(program.runtime.shard_states.get("bucket_bytes", 0))
+    sites = program.decisions.get("hierarchical_a2a", {})
+    if sites:  # enabled=auto: the algorithm of each MoE block's dispatch and combine
+        out["hierarchical_a2a:enabled"] = ",".join(f"{key}={d['algorithm']}" for key, d in sorted(sites.items()))
     decisions = program.decisions.get("split_embedding_comm", {})
     for key, heads in (("strategy", False), ("head", True)):  # what the cost model picked, table by table
         picks = {w: d["strategy"] for w, d in decisions.items() if d.get("reason") == "cost model" and bool(d.get("head")) == heads}
