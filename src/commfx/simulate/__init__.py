@@ -61,7 +61,8 @@ def topology_for(cluster: Cluster, plan: Plan, figures: dict[str, float] | None 
     topology = dataclasses.replace(
         plan.topology, world_size=cluster.world_size, ranks_per_node=cluster.ranks_per_node,
         inter_node_bandwidth=cluster.inter_node.effective_bandwidth, inter_node_latency_s=cluster.inter_node.latency_s,
-        intra_node_bandwidth=cluster.intra_node.effective_bandwidth,
+        intra_node_bandwidth=cluster.intra_node.effective_bandwidth, intra_node_latency_s=cluster.intra_node.latency_s,
+        message_overhead_s=cluster.message_overhead_s,
         flops_per_s=device.flops.get("bf16" if plan.precision == "bf16" else "fp32", device.flops["fp32"]) * device.compute_efficiency,
         collective_overhead_s=cluster.collective_overhead_s,
     )

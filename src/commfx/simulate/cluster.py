@@ -5,7 +5,7 @@ with the layout (`nodes`, `ranks_per_node`), the device (`[device]`: peak FLOP/s
 memory bandwidth and size, efficiencies, per-op overhead), the links (`[intra_node]`,
 `[inter_node]`: bandwidth in bytes/s per direction, latency; the emulated cluster gives
 `link = "RATE[,LATENCY]"` in tc's units instead) and the collectives (`[collectives]`:
-per-call overhead, all-reduce and all-to-all algorithms), and `fitted_to`: the bench runs
+per-call overhead, optionally the per-message overhead, all-reduce and all-to-all algorithms), and `fitted_to`: the bench runs
 whose measurements set its figures (none for datasheet presets). A missing or wrong field is
 an error naming the file and the field.
 """
@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bench.links import LinkSpec
-from ..plan import PlanError
+from ..plan import PlanError, Topology
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "clusters"
 ALL_REDUCE_ALGORITHMS = ("ring", "tree")
 ALL_TO_ALL_ALGORITHMS = ("pairwise", "hierarchical")
+MESSAGE_OVERHEAD_S = Topology.message_overhead_s  # [collectives] message_overhead_s when a file leaves it out
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Cluster:
     collective_overhead_s: float
     all_reduce: str
     all_to_all: str
+    message_overhead_s: float = MESSAGE_OVERHEAD_S  # per message a collective sends to a peer
     # `commfx bench` JSON files (names under benchmarks/) whose measurements set this
     # cluster's figures: validation against them is in-sample, so prediction errors leave them out
     fitted_to: tuple[str, ...] = ()
@@ -155,6 +157,8 @@ def parse_cluster(data: dict, source: str) -> Cluster:
                         fields.share(intra, "intra_node", "efficiency", default=1.0)),
         inter_node=inter_link, collective_overhead_s=fields.number(collectives, "collectives", "overhead_s", allow_zero=True),
         all_reduce=all_reduce, all_to_all=all_to_all, fitted_to=fields.names("fitted_to"),
+        message_overhead_s=fields.number(collectives, "collectives", "message_overhead_s", allow_zero=True)
+        if "message_overhead_s" in collectives else MESSAGE_OVERHEAD_S,
     )
 
 

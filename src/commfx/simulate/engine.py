@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..buckets import Entry, make_buckets
 from ..compiler.program import Program
 from ..plan import Plan
+from ..runtime.hierarchical_a2a import algorithm_for
 from ..runtime.priority import Pending, next_lane
 from ..runtime.row_schedule import LATER_CLASS, NEXT_CLASS
 from ..runtime.trace import ComputeSpan, Timeline
@@ -87,6 +88,8 @@ class Simulation:
         self.zero = int(sharded.get("stage", 0))
         self.bucket_bytes = int(sharded.get("bucket_bytes") or 0) or plan.grad_bucket_bytes
         self.remote_share = locality_remote_share(plan, program)
+        # the all-to-all algorithm of each tag, as the runtime's scheduler picks it (hierarchical_a2a)
+        self.a2a_algorithm, self.a2a_sites = program.runtime.a2a_algorithm, dict(program.runtime.a2a_sites)
         self.lanes: dict[str, deque] = {}
         self.in_flight: dict[str, Flight | None] = {}
         self.class_of: dict[str, str] = {}
@@ -109,7 +112,9 @@ class Simulation:
     def submit(self, comm: Comm, at: float) -> None:
         group = self.groups.get(comm.group) or self.groups.setdefault(comm.group, self._group(comm.group))
         share = self.remote_share if comm.kind == "all_to_all" and comm.group == "ep" else None
-        load = link_load(comm.kind, comm.payload, group, self.plan.topology, self.cluster, share)
+        algorithm = self.algorithm_of(comm)
+        load = link_load(comm.kind, comm.payload, group, self.plan.topology, self.cluster, share,
+                         algorithm=algorithm, row_bytes=comm.row_bytes, duplicate_share=comm.duplicate_share)
         pending = Pending(comm.label, comm.priority, comm.group, comm.tag, int(comm.payload), None, t_submit=at)
         self.lanes.setdefault(comm.priority, deque()).append(Flight(comm, load, pending))
         self.in_flight.setdefault(comm.priority, None)
@@ -117,6 +122,12 @@ class Simulation:
         self.inter += load.inter_bytes
         self.intra += load.intra_bytes
         self._issue(at)
+
+    def algorithm_of(self, comm: Comm) -> str:
+        """flat | hierarchical: what the runtime runs this collective with (all-to-alls only)."""
+        if comm.kind != "all_to_all":
+            return "flat"
+        return algorithm_for(comm.tag, self.a2a_sites, self.a2a_algorithm)
 
     def _group(self, name: str) -> list[int]:
         return list(range(self.plan.topology.world_size)) if name == "world" else group_of_rank0(self.plan.topology, name)

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from ..compiler.program import TP_PARTS, Program, module_path
 from ..compiler.remat import recomputable
+from ..cost.all_to_all import duplicate_share
 from ..cost.flops import hint, node_bytes, node_flops
 from ..plan import DEFAULT_CLASS, Plan
 
@@ -56,6 +57,8 @@ class Comm:
     tag: str
     payload: float  # bytes this rank sends
     reversed_in_backward: bool = True  # an all-to-all waited in the forward: the backward sends its gradients back
+    row_bytes: float = 0.0  # an MoE block's all-to-all: bytes of one row
+    duplicate_share: float = 0.0  # of its off-node rows, those repeating one bound for the same node (a forward dispatch)
 
 
 @dataclass
@@ -112,7 +115,9 @@ class _Blocks:
         self.flops_per_row: dict[str, float] = {}
         self.hidden: dict[str, int] = {}
         self.expert_nodes: dict[fx.Node, str] = {}
+        self.duplicates: dict[str, float] = {}  # a forward dispatch's repeated off-node rows (cost.all_to_all)
         ep = plan.topology.expert_parallel_size
+        nodes = len({plan.topology.node_of(r) for r in range(ep)})
         params = dict(program.gm.named_parameters())
         self.blocks = list(program.regions.moe_blocks)
         for block in self.blocks:
@@ -129,6 +134,8 @@ class _Blocks:
             self.rows[block.path] = rows / max(block.chunks, 1)
             self.flops_per_row[block.path] = 2.0 * weights * (tokens * block.top_k / rows if rows else 1)
             self.hidden[block.path] = hidden * dtype_bytes
+            # packed rows carry each rank's own routing weights and ids: none repeats
+            self.duplicates[block.path] = 0.0 if block.packed is not None else duplicate_share(experts, block.top_k, nodes)
             for node in block.experts:
                 self.expert_nodes[node] = block.path
 
@@ -240,8 +247,12 @@ def _comm_of(node: fx.Node, name: str, blocks: _Blocks, ident: int, scale: float
     if name in A2A:
         group, priority, tag = _comm_args(node)
         path = blocks.of_tag(tag) if tag else blocks.of_node(node)
-        payload = blocks.rows[path] * blocks.hidden[path] if path else scale * _tensor_bytes(_value(node.args[0]) if node.args else None)
-        return Comm(ident, "all_to_all", "all_to_all", group, priority, tag, payload)
+        if not path:
+            return Comm(ident, "all_to_all", "all_to_all", group, priority, tag, scale * _tensor_bytes(_value(node.args[0]) if node.args else None))
+        words = tag[len(path):].split()  # "dispatch 1/2", "packed dispatch", "combine mb 1/2" (hierarchical_a2a names untagged ones)
+        dispatch = words[:1] == ["dispatch"] or words[:2] == ["packed", "dispatch"]
+        return Comm(ident, "all_to_all", "all_to_all", group, priority, tag, blocks.rows[path] * blocks.hidden[path],
+                    row_bytes=blocks.hidden[path], duplicate_share=blocks.duplicates[path] if dispatch else 0.0)
     if name in SMALL_COMM:
         group = next((a for a in node.args if isinstance(a, str)), "ep")
         return Comm(ident, "all_to_all", "all_to_all", group, DEFAULT_CLASS, name, 64.0)
@@ -320,7 +331,8 @@ def _mirror(forward: list[Item], counter, first_use: dict[str, int]) -> list[Ite
         elif item.what == "wait":
             comm = _find_comm(forward, item.comm_id)
             if comm.kind == "all_to_all" and comm.payload > 64 and comm.reversed_in_backward:
-                bw = Comm(next(counter), comm.kind, comm.label, comm.group, comm.priority, f"{comm.tag} (bw)", comm.payload)
+                bw = Comm(next(counter), comm.kind, comm.label, comm.group, comm.priority, f"{comm.tag} (bw)", comm.payload,
+                          row_bytes=comm.row_bytes)  # gradients of distinct rows: nothing repeats
                 reverse[comm.id] = bw
                 backward.append(Item("start", item.name, "backward", comm=bw))
         elif item.what == "start" and item.comm.id in reverse:
