@@ -89,7 +89,8 @@ class Simulation:
         self.bucket_bytes = int(sharded.get("bucket_bytes") or 0) or plan.grad_bucket_bytes
         self.remote_share = locality_remote_share(plan, program)
         # the all-to-all algorithm of each tag, as the runtime's scheduler picks it (hierarchical_a2a)
-        self.a2a_algorithm, self.a2a_sites = program.runtime.a2a_algorithm, dict(program.runtime.a2a_sites)
+        self.a2a_algorithm = getattr(program.runtime, "a2a_algorithm", "flat")
+        self.a2a_sites = dict(getattr(program.runtime, "a2a_sites", None) or {})
         self.lanes: dict[str, deque] = {}
         self.in_flight: dict[str, Flight | None] = {}
         self.class_of: dict[str, str] = {}
