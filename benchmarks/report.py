@@ -649,13 +649,20 @@ class Report:
         fp8_bytes = fp8["fp8 dispatch"]["over_seeds"]["a2a_bytes_per_step"]["mean"] / fp8["bf16 dispatch"]["over_seeds"]["a2a_bytes_per_step"]["mean"]
         chosen = next((c.split(":", 1)[1].split(" chunks")[0].strip() for c in part.plans["plan"].get("choices") or [] if c.startswith("partition_a2a")), "not recorded")
         rows = [
-            ["`hierarchical_a2a` ÷ flat all-to-all", xr(hier.paired("plan", "baseline")), hier.link_layout(), hier.load(), f"`{hier.name}`"],
+            ["`hierarchical_a2a:enabled=auto` ÷ flat all-to-all", xr(hier.paired("plan", "baseline")), hier.link_layout(), hier.load(),
+             f"`{hier.name}`"],
+            ["`hierarchical_a2a` (every all-to-all) ÷ flat", x(hier.median("always") / hier.median("baseline")) + " (medians)",
+             "″", "same run", f"`{hier.name}`"],
             ["fp8 dispatch ÷ bf16: final loss, all-to-all bytes", f"{pct(fp8_loss)}, {x(fp8_bytes)}×", "2 ranks, one process group",
              "not recorded", "`fp8_dispatch_quality.json`"],
             [f"`partition_a2a` (k chosen: {chosen}) ÷ naive, machine measured", xr(part.paired("plan", "baseline")), part.link_layout(),
              part.load(), f"`{part.name}`"],
         ]
+        sites = ((hier.plans["plan"].get("compiled_with") or {}).get("choices") or {}).get("hierarchical_a2a:enabled", "not recorded")
         return "\n".join([table(["figure", "value (paired, p25–p75)", "link, layout", "load", "JSON"], rows), "",
+                          f"`hierarchical_a2a:enabled=auto` compiled, from the run's measured figures: {sites.replace(',', ', ')}. "
+                          "Where it chose flat everywhere it runs the baseline's algorithm, and the ratio is the spread of 4 ranks "
+                          "on 2 cores.", "",
                           "bf16 steps are timed on the H200 (above), not here: this CPU (AVX2, no bf16 units) multiplies bf16 "
                           "matrices about 60× slower than float32 (`log/2026-11-28-bf16-on-this-cpu.md`), so a bf16 "
                           "figure from it measures the CPU, not the plan."])
