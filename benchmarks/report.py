@@ -460,7 +460,7 @@ class Report:
                  f"{run.link_layout()}; load {run.load()}. The same command's earlier run (`{loaded.name}`) gave "
                  f"{x(loaded.paired('plan', 'baseline')[0])} paired.", "",
                  f"Quality and bytes (`benchmarks/pipeline_quality.py`, `pipeline_quality_peer_model.json`, {q['args']['steps']} steps, "
-                 f"hidden {q['args']['hidden']}, one seed; load not recorded):", "",
+                 f"hidden {q['args']['hidden']}, one seed; load {load_cell(q.get('run'))}):", "",
                  table(["plan", "fewer backward bytes", "loss vs uncompressed", f"within {pct(claim['loss_within'], False)}"], qrows), "",
                  f"- Claimed {claim['bytes_fewer']}× fewer bytes with loss within {pct(claim['loss_within'], False)}: "
                  f"{reached(best['bytes_ratio'] >= claim['bytes_fewer'] and abs(best['vs_uncompressed']) <= claim['loss_within'])}. "
@@ -526,7 +526,7 @@ class Report:
                          xr(run.paired("plan", "baseline")), cell("fsdp"), xr(run.paired("plan", "fsdp")), f"`{run.name}`"])
         lines = [table(["model", "replicated [ms]", "stage 1", "stage 2", "stage 3 ÷ replicated, paired", "`peer:fsdp2`",
                         "stage 3 ÷ fsdp2, paired", "JSON"], rows), "",
-                 f"Ratios are paired ÷ the replicated plan, wall medians in brackets; {runs[0].link_layout()}; load not recorded. "
+                 f"Ratios are paired ÷ the replicated plan, wall medians in brackets; {runs[0].link_layout()}; load {'; '.join(r.load() for r in runs)}. "
                  f"Targets: stage 3 ≤ {claim['target_over_replicated']}× replicated: "
                  + ", ".join(f"{'met' if r.paired('plan', 'baseline')[0] <= claim['target_over_replicated'] else 'not met'} "
                              f"({x(r.paired('plan', 'baseline')[0])})" for r in runs)
