@@ -19,6 +19,7 @@ trains the same model on the same windows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -81,7 +82,9 @@ def worker(rank: int, world_size: int, passes: str, model: str, seed: int, steps
 
     moe._dispatch_layout = counting_layout
     net, (example,) = build_model(model, seed, batch, seq)
-    plan = Plan.from_cli(passes, world_size=world_size, ranks_per_node=ranks_per_node)
+    # The load counter above wraps the op's Python body, so the ops must run it: the
+    # interpreter, not compiled regions (Inductor would trace the counter once, at compile).
+    plan = dataclasses.replace(Plan.from_cli(passes, world_size=world_size, ranks_per_node=ranks_per_node), compute="interpret")
     dm = distribute(net, plan, (split_batch(example, world_size, rank),))
     optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
     history = []
