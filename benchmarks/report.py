@@ -446,7 +446,6 @@ class Report:
     def optimus_cc(self) -> str:
         claim = self.claims["optimus_cc"]
         run = self.src.bench("peers_optimus_cc_pipelining_quiet_100mbit_2x1.json")
-        loaded = self.src.bench("peers_optimus_cc_pipelining_100mbit_2x1.json")
         rows = [[f"`{p['passes']}`", run.wall(label), ms(run.median(label, "compute_only")), xr(run.paired(label, "baseline"))]
                 for label, p in run.plans.items()]
         q = self.src.json("pipeline_quality_peer_model.json")
@@ -457,8 +456,7 @@ class Report:
         step = run.paired("plan", "baseline")
         lines = [table(["plan", "wall ms (p25–p75)", "compute-only ms", "÷ `peer:pipelining`, paired (p25–p75)"], rows), "",
                  f"- `{run.name}`: {run.model()}, pp {run.d['plans'][0].get('layout', {}) and run.d['plans'][0]['layout'].get('pp') or 'not recorded'}; "
-                 f"{run.link_layout()}; load {run.load()}. The same command's earlier run (`{loaded.name}`) gave "
-                 f"{x(loaded.paired('plan', 'baseline')[0])} paired.", "",
+                 f"{run.link_layout()}; load {run.load()}.", "",
                  f"Quality and bytes (`benchmarks/pipeline_quality.py`, `pipeline_quality_peer_model.json`, {q['args']['steps']} steps, "
                  f"hidden {q['args']['hidden']}, one seed; load {load_cell(q.get('run'))}):", "",
                  table(["plan", "fewer backward bytes", "loss vs uncompressed", f"within {pct(claim['loss_within'], False)}"], qrows), "",
