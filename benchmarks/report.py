@@ -493,7 +493,7 @@ class Report:
         semi_over = bench.paired("SEMI-migration", "baseline")
         quality = {r["plan"]: r for r in st["quality"]["rows"]}
         semi_q = next(r for name, r in quality.items() if name.startswith("SEMI"))
-        load = load_cell(None, st["load_before"], st["load_after"], bench.d["machine"]["cpus"])
+        load = load_cell(st["run"]) if st.get("run") else load_cell(None, st["load_before"], st["load_after"], bench.d["machine"]["cpus"])
         over_healthy = run.paired("plan", "healthy-tp")
         lines = [table(["plan", "straggler", "wall ms (p25–p75)", "÷ `peer:dtensor_tp` (paired)", "÷ commfx tp, healthy (paired)"], rows), "",
                  f"- `{run.name}`: {run.model()}; {run.link_layout()}; load {run.load()}. The peer ran **without** the straggler, "
@@ -505,11 +505,11 @@ class Report:
                  table(["plan", "passes", "wall ms (p25–p75)", "÷ no straggler, paired (p25–p75)", "÷ no straggler, medians"], srows), "",
                  f"- SEMI ÷ the healthy step {x(semi_over[0])} paired (target ≤ {claim['target_over_healthy']}×: "
                  f"{'met' if semi_over[0] <= claim['target_over_healthy'] else 'not met'}); training loss with the straggler "
-                 f"{pct(semi_q['vs_no_straggler'])} against none ({st['quality_args']['steps']} steps, one seed)."]
+                 f"{pct(semi_q['vs_no_straggler'])} against none ({(st.get('quality_args') or st['args'])['steps']} steps, one seed)."]
         self.row("**ZERO-resizing / SEMI**", f"SEMI with a half-speed rank ÷ the healthy step {x(semi_over[0])} paired "
                  f"(`straggler_tp.json`); ÷ healthy `peer:dtensor_tp` {x(run.paired('plan', 'baseline')[0])}, ÷ healthy commfx tp "
                  f"{x(over_healthy[0])} (`{run.name}`)", run.peer() + "; the peer had no straggler",
-                 f"{describe_model(bench.d['model'], {})}, {run.model()}; not recorded", bench.link_layout(), "measured", load,
+                 f"{describe_model(bench.d['model'], {})}, {run.model()}; {(st.get('run') or {}).get('proportions') or 'not recorded'}", bench.link_layout(), "measured", load,
                  ["straggler_tp.json", run.name])
         return "\n".join(lines)
 
