@@ -32,18 +32,17 @@ def shard_parameters(program: Program, ranks: dict[str, int] | int) -> dict[str,
         owner = program.gm.get_submodule(owner_path) if owner_path else program.gm
         full = getattr(owner, leaf)
         part = ranks if isinstance(ranks, int) else ranks.get(spec["group"], 0)
-        whole = spec["parts"] == 1  # one part: the parameter itself, shared with the model, not a second copy
         if "layout" in spec:
             index = shard_index(spec["layout"], part, spec["parts"])
-            local = None if whole else full.detach().index_select(spec["dim"], index).clone()
             placement[target] = {"dim": spec["dim"], "layout": list(spec["layout"]), "part": part, "parts": spec["parts"]}
         else:
             size = full.shape[spec["dim"]] // spec["parts"]
             start = part * size
-            local = None if whole else full.detach().narrow(spec["dim"], start, size).clone()
             placement[target] = [start, start + size]
-        if not whole:
-            setattr(owner, leaf, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+        if spec["parts"] == 1:
+            continue  # one part: the parameter itself, shared with the model, not a second copy
+        local = full.detach().index_select(spec["dim"], index) if "layout" in spec else full.detach().narrow(spec["dim"], start, size)
+        setattr(owner, leaf, torch.nn.Parameter(local.clone(), requires_grad=full.requires_grad))
     return placement
 
 

@@ -95,15 +95,19 @@ class A2AShape:
         return max(1, self.ranks // max(1, self.per_node))
 
 
+def reach_share(num_experts: int, top_k: int, groups: int) -> float:
+    """The chance that a token's top-k experts (uniform routing) include one of a given group's,
+    with the experts spread evenly over `groups` groups (ranks or nodes): 1 - C(E - E/G, k)/C(E, k)."""
+    k = min(top_k, num_experts)
+    return 1.0 - math.comb(num_experts - num_experts // groups, k) / math.comb(num_experts, k)
+
+
 def duplicate_share(num_experts: int, top_k: int, nodes: int) -> float:
     """d for uniform top-k routing over `num_experts` experts spread evenly over `nodes` nodes:
     1 - (rows the hierarchical all-to-all sends to a remote node) / (rows the flat one sends)."""
     if nodes < 2 or top_k < 2 or num_experts % nodes:
         return 0.0
-    k = min(top_k, num_experts)
-    elsewhere = num_experts - num_experts // nodes
-    reached = 1.0 - math.comb(elsewhere, k) / math.comb(num_experts, k)  # P(some expert on a given node)
-    return max(0.0, 1.0 - reached * nodes / k)
+    return max(0.0, 1.0 - reach_share(num_experts, top_k, nodes) * nodes / min(top_k, num_experts))
 
 
 def exchanges(algorithm: str, shape: A2AShape) -> tuple[Exchange, ...]:

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..compiler.program import Program
-from ..cost.all_to_all import A2AShape, Links, choose_algorithm, duplicate_share
+from ..cost.all_to_all import A2AShape, Links, choose_algorithm, duplicate_share, reach_share
 from ..plan import Plan, PlanError, Topology
 from .base import RuntimeSetting, plan_micro_batches, register
 from .dispatch_codec import retag
@@ -137,9 +137,7 @@ def _sites(block, program: Program, plan: Plan):
     hidden, dtype_bytes = down.shape[1], (2 if plan.precision == "bf16" else down.element_size())
     per_chunk = max(1, tokens // plan_micro_batches(plan)) / max(1, block.chunks)
     if block.packed is not None:  # one row per (token, rank), with its own routing weights and ids: nothing repeats
-        per_rank = block.num_experts // ep
-        reached = 1.0 - math.comb(block.num_experts - per_rank, block.top_k) / math.comb(block.num_experts, block.top_k)
-        rows, duplicates = per_chunk * ep * reached, 0.0
+        rows, duplicates = per_chunk * ep * reach_share(block.num_experts, block.top_k, ep), 0.0
     else:
         rows, duplicates = per_chunk * block.top_k, duplicate_share(block.num_experts, block.top_k, node_count(topology))
     dispatch_bytes = hidden + 4 * math.ceil(hidden / 128) if block.dispatch_codec == "fp8" else hidden * dtype_bytes

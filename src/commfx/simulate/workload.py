@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from ..compiler.program import TP_PARTS, Program, module_path
 from ..compiler.remat import recomputable
-from ..cost.all_to_all import duplicate_share
+from ..cost.all_to_all import duplicate_share, reach_share
 from ..cost.flops import hint, node_bytes, node_flops
 from ..plan import DEFAULT_CLASS, Plan
 
@@ -126,9 +126,7 @@ class _Blocks:
             weights = (gate_up.numel() + down.numel()) / experts if gate_up is not None and down is not None else 0
             hidden = gate_up.shape[-1] if gate_up is not None else 0
             if block.packed is not None and ep > 1:
-                per_device = experts // ep
-                miss = math.comb(experts - per_device, block.top_k) / math.comb(experts, block.top_k)
-                rows = tokens * ep * (1 - miss)
+                rows = tokens * ep * reach_share(experts, block.top_k, ep)
             else:
                 rows = tokens * block.top_k
             self.rows[block.path] = rows / max(block.chunks, 1)
