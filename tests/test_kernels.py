@@ -102,8 +102,26 @@ def test_grouped_mm_reference_matches_loop_float64(counts, trans_w):
     # Same matmul per expert: bitwise equal, the basis of float64 exactness.
     torch.testing.assert_close(out, loop_grouped_mm(x, w, c, trans_w), rtol=0, atol=0)
     torch.testing.assert_close(out, dense_grouped_mm(x, w, c, trans_w))
-    # on CPU the public entry point is the reference
+    # on CPU the public entry point computes the reference's products, in place
     torch.testing.assert_close(K.grouped_mm(x, w, c, trans_w=trans_w), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("trans_w", [True, False])
+@pytest.mark.parametrize("counts", COUNT_CASES, ids=str)
+def test_cpu_kernels_with_padding_rows(counts, trans_w):
+    """padded=True: rows past sum(counts) come out zero and add nothing to the weight
+    gradient; the rows before them are the reference's, bit for bit."""
+    x, w, c = make_inputs(counts, k=6, n=5, trans_w=trans_w)
+    padding = torch.full((3, x.shape[1]), float("nan"), dtype=x.dtype)  # must not leak into anything
+    out = K.grouped_mm(torch.cat([x, padding]), w, c, trans_w=trans_w, padded=True)
+    torch.testing.assert_close(out[: x.shape[0]], K.grouped_mm_reference(x, w, c, trans_w=trans_w), rtol=0, atol=0)
+    assert torch.equal(out[x.shape[0]:], torch.zeros(3, out.shape[1], dtype=out.dtype))
+    if trans_w:
+        g = torch.randn(x.shape[0], 5, dtype=x.dtype)
+        gw = K.grouped_mm_weight_grad(torch.cat([g, torch.full((3, 5), float("nan"), dtype=x.dtype)]), torch.cat([x, padding]), c, padded=True)
+        torch.testing.assert_close(gw, K.grouped_mm_weight_grad_reference(g, x, c), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="or less"):
+        K.grouped_mm(x[:0], w, c + 1, trans_w=trans_w, padded=True)  # more counted rows than rows
 
 
 def test_grouped_mm_reference_no_experts():
@@ -152,10 +170,11 @@ def test_weight_grad_reference_matches_loop_and_autograd(counts):
         start += n_e
 
     # It is the gradient of grouped_mm w.r.t. w, and grad_x is grouped_mm with
-    # trans_w=False (the identities documented in grouped_mm.py).
+    # trans_w=False (the identities documented in grouped_mm.py); the kernels are not
+    # differentiable, their reference is.
     x_ = x.clone().requires_grad_()
     w_ = w.clone().requires_grad_()
-    K.grouped_mm(x_, w_, c).backward(grad_out)
+    K.grouped_mm_reference(x_, w_, c).backward(grad_out)
     torch.testing.assert_close(K.grouped_mm_weight_grad(grad_out, x, c), w_.grad)
     torch.testing.assert_close(K.grouped_mm(grad_out, w, c, trans_w=False), x_.grad)
 

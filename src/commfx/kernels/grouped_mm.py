@@ -5,8 +5,9 @@ every group is multiplied by its own weight matrix.  On CUDA, bf16 operands in
 cuBLAS's layout run as cuBLAS's grouped GEMM (``torch._grouped_mm``, offsets from
 the counts' cumulative sum on the device), other CUDA operands as one Triton launch
 over all experts; on CPU (and for dtypes the kernels do not
-cover, e.g. float64 on CUDA) it runs the torch reference, which is also the
-float64 ground truth the project's exactness checks use.
+cover, e.g. float64 on CUDA) it runs the torch reference's products written in place
+into one output; the reference itself is the float64 ground truth the project's
+exactness checks use.
 
 Backward of ``out = grouped_mm(x, w, counts)`` (trans_w=True, w [E, N, K]):
     grad_x = grouped_mm(grad_out, w, counts, trans_w=False)
@@ -30,12 +31,12 @@ __all__ = [
     "grouped_mm_weight_grad_reference",
 ]
 
-# dtypes the Triton kernels handle; anything else takes the torch reference.
+# dtypes the Triton kernels handle; anything else takes the CPU kernels below.
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------
-# torch references (CPU path, and the ground truth in tests)
+# torch references (the ground truth in tests)
 # --------------------------------------------------------------------------
 
 def _check_args(x: Tensor, w: Tensor, counts: Tensor, trans_w: bool) -> tuple[int, int]:
@@ -59,10 +60,13 @@ def _check_args(x: Tensor, w: Tensor, counts: Tensor, trans_w: bool) -> tuple[in
     return n, k
 
 
-def _split_counts(counts: Tensor, total: int) -> list[int]:
+def _split_counts(counts: Tensor, total: int, padded: bool = False) -> list[int]:
+    """counts on the host; they must sum to `total` rows, or to at most that where the
+    rows past their sum are padding."""
     sizes = counts.tolist()
-    if any(c < 0 for c in sizes) or sum(sizes) != total:
-        raise ValueError(f"counts {sizes} must be non-negative and sum to {total}")
+    used = sum(sizes)
+    if any(c < 0 for c in sizes) or used > total or (used != total and not padded):
+        raise ValueError(f"counts {sizes} must be non-negative and sum to {total}" + (" or less" if padded else ""))
     return sizes
 
 
@@ -87,15 +91,55 @@ def grouped_mm_reference(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool 
 
 def grouped_mm_weight_grad_reference(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     """[e] = grad_out_e.T @ x_e, zeros for an expert with no rows."""
-    if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
-        raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
-    if grad_out.dtype != x.dtype:
-        raise TypeError(f"grad_out and x dtypes differ: {grad_out.dtype} vs {x.dtype}")
+    _check_weight_grad_args(grad_out, x)
     sizes = _split_counts(counts, x.shape[0])
     ct = _compute_dtype(x.dtype)
     out = x.new_zeros((len(sizes), grad_out.shape[1], x.shape[1]), dtype=ct)
     for e, (g_e, x_e) in enumerate(zip(torch.split(grad_out, sizes), torch.split(x, sizes))):
         out[e] = g_e.to(ct).T @ x_e.to(ct)  # [N, 0] @ [0, K] is zeros for an empty expert
+    return out.to(x.dtype)
+
+
+def _check_weight_grad_args(grad_out: Tensor, x: Tensor) -> None:
+    if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
+        raise ValueError(f"expected grad_out [T, N], x [T, K]; got {tuple(grad_out.shape)}, {tuple(x.shape)}")
+    if grad_out.dtype != x.dtype:
+        raise TypeError(f"grad_out and x dtypes differ: {grad_out.dtype} vs {x.dtype}")
+
+
+# --------------------------------------------------------------------------
+# CPU kernels: the references' products, each written in place into the output
+# (no per-expert results joined by a copy); not differentiable, as the other kernels
+# --------------------------------------------------------------------------
+
+def _grouped_mm_cpu(x: Tensor, w: Tensor, counts: Tensor, trans_w: bool, padded: bool) -> Tensor:
+    """grouped_mm_reference's products into one output; with `padded`, rows past
+    sum(counts) come out zero."""
+    n, _ = _check_args(x, w, counts, trans_w)
+    sizes = _split_counts(counts, x.shape[0], padded)
+    ct = _compute_dtype(x.dtype)
+    out = x.new_empty((x.shape[0], n), dtype=ct)
+    start = 0
+    for e, size in enumerate(sizes):
+        w_e = w[e].to(ct)
+        torch.mm(x[start : start + size].to(ct), w_e.T if trans_w else w_e, out=out[start : start + size])
+        start += size
+    out[start:].zero_()
+    return out.to(x.dtype)
+
+
+def _grouped_mm_weight_grad_cpu(grad_out: Tensor, x: Tensor, counts: Tensor, padded: bool) -> Tensor:
+    """grouped_mm_weight_grad_reference's products written into each expert's slice; with
+    `padded`, rows past sum(counts) add nothing."""
+    _check_weight_grad_args(grad_out, x)
+    sizes = _split_counts(counts, x.shape[0], padded)
+    ct = _compute_dtype(x.dtype)
+    out = x.new_empty((len(sizes), grad_out.shape[1], x.shape[1]), dtype=ct)
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        torch.mm(grad_out[rows].to(ct).T, x[rows].to(ct), out=out[e])  # [N, 0] @ [0, K]: zeros
+        start += size
     return out.to(x.dtype)
 
 
@@ -333,13 +377,14 @@ def _zero_empty_experts(out: Tensor, counts: Tensor, *, block: int = 4096) -> Te
 # public entry points
 # --------------------------------------------------------------------------
 
-def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True) -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True, padded: bool = False) -> Tensor:
     """[T, K] x per-expert weights -> [T, N]; rows grouped by expert per ``counts``.
 
     w is [E, N, K] if trans_w (F.linear layout, out = x_e @ w[e].T) else
     [E, K, N] (out = x_e @ w[e]).  CUDA bf16 with cuBLAS's layout -> torch._grouped_mm;
     other CUDA fp16/bf16/fp32 -> Triton (neither syncs with the host; counts are not
-    validated); everything else -> torch reference.
+    validated); everything else -> the reference's products in place. `padded`: rows past sum(counts) belong
+    to no expert (the reference writes zeros there; the CUDA kernels leave them unwritten).
     """
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
         w_kn = w.transpose(-2, -1) if trans_w else w
@@ -347,16 +392,17 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, trans_w: bool = True) ->
             _check_args(x, w, counts, trans_w)
             return _grouped_mm_cublas(x, w_kn, counts)
         return _grouped_mm_triton(x, w, counts, trans_w=trans_w)
-    return grouped_mm_reference(x, w, counts, trans_w=trans_w)
+    return _grouped_mm_cpu(x, w, counts, trans_w, padded)
 
 
-def grouped_mm_weight_grad(grad_out: Tensor, x: Tensor, counts: Tensor) -> Tensor:
-    """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True)."""
+def grouped_mm_weight_grad(grad_out: Tensor, x: Tensor, counts: Tensor, *, padded: bool = False) -> Tensor:
+    """[E, N, K] with [e] = grad_out_e.T @ x_e: grad of w in grouped_mm(trans_w=True).
+    `padded`: rows past sum(counts) add nothing."""
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
         if x.shape[0] > 0 and grad_out.dim() == 2 and _cublas_fits(grad_out.t(), x, out_cols=x.shape[-1]):
             return _grouped_mm_weight_grad_cublas(grad_out, x, counts)
         return _grouped_mm_weight_grad_triton(grad_out, x, counts)
-    return grouped_mm_weight_grad_reference(grad_out, x, counts)
+    return _grouped_mm_weight_grad_cpu(grad_out, x, counts, padded)
 
 
 # --------------------------------------------------------------------------

@@ -25,24 +25,7 @@ from ..kernels import grouped_mm_weight_grad as _grouped_mm_weight_grad
 @torch.library.custom_op("commfx::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, trans_w: bool = True) -> torch.Tensor:
     """[T, K] rows times their expert's weights: w [E, N, K] (x_e @ w[e].T) if trans_w, else [E, K, N]."""
-    used = _grouped_rows(x, counts)
-    if used is None or used == x.shape[0]:
-        return _grouped_mm(x, w, counts, trans_w=trans_w)
-    out = _grouped_mm(x[:used], w, counts, trans_w=trans_w)
-    return torch.cat([out, out.new_zeros((x.shape[0] - used, out.shape[1]))])
-
-
-# The dtypes kernels/grouped_mm.py runs on CUDA (cuBLAS or Triton): they read counts on the
-# device and never touch rows past their sum. Everything else takes the torch reference.
-_DEVICE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _grouped_rows(x: torch.Tensor, counts: torch.Tensor) -> int | None:
-    """sum(counts) where the kernel needs every row grouped (the torch reference, which reads
-    counts on the host anyway); None where the CUDA kernels take padding rows as they are."""
-    if x.is_cuda and x.dtype in _DEVICE_DTYPES:
-        return None
-    return int(counts.sum())
+    return _grouped_mm(x, w, counts, trans_w=trans_w, padded=True)
 
 
 @grouped_mm.register_fake
@@ -69,10 +52,7 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_set
 @torch.library.custom_op("commfx::grouped_mm_weight_grad", mutates_args=())
 def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[E, N, K] with [e] = grad_out_e.T @ x_e: the weights' gradient of grouped_mm(trans_w=True)."""
-    used = _grouped_rows(x, counts)
-    if used is None or used == x.shape[0]:
-        return _grouped_mm_weight_grad(grad_out, x, counts)
-    return _grouped_mm_weight_grad(grad_out[:used], x[:used], counts)
+    return _grouped_mm_weight_grad(grad_out, x, counts, padded=True)
 
 
 @grouped_mm_weight_grad.register_fake
