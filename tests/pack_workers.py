@@ -83,3 +83,34 @@ def replacement_equivalence(rank: int, world_size: int, steps: int = 5) -> dict:
     never = train_packed(rank, world_size, "lift,expert_parallel,pack_experts", steps)
     moved = train_packed(rank, world_size, "lift,expert_parallel,pack_experts:replace_every=2;balance=0.5", steps, checkpoint_after=3)
     return {"never": never, "moved": moved}
+
+
+def replacement_with_deferred_sync(rank: int, world_size: int, steps: int = 4) -> dict:
+    """Under defer_grad_sync: a run that re-places every 2 steps against one that never
+    does, and whether gradients other than the experts' were still on the wire right after
+    each re-placing step (a re-placement settles only what it moves)."""
+    runs = {}
+    for name, passes in (("never", "lift,expert_parallel,pack_experts,defer_grad_sync"),
+                         ("moved", "lift,expert_parallel,pack_experts:replace_every=2;balance=0.5,defer_grad_sync")):
+        model, (ids,) = load_model("gpt-moe", seed=5, batch=4, dtype=torch.float64)
+        local = (split_batch(ids, world_size, rank),)
+        dm = distribute(model, Plan.from_cli(passes, world_size=world_size), local)
+        optimizer = torch.optim.Adam(dm.parameters(), lr=3e-3)
+        dm.attach_optimizer(optimizer)
+        losses, pending_after_replacement = [], []
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(dm(*local), local)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if (step + 1) % 2 == 0:
+                pending_after_replacement.append(dm.deferred.pending)
+        dm.synchronize()
+        runs[name] = dict(
+            losses=losses, pending_after_replacement=pending_after_replacement,
+            moved=[[d.moved for d in decisions] for decisions in dm.placement_log],
+            experts=_experts_in_original_order(dm),
+            others={n: p.detach().clone() for n, p in dm.named_parameters() if "experts" not in n},
+        )
+    return runs

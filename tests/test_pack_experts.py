@@ -230,6 +230,24 @@ def test_a_run_that_re_places_experts_equals_one_that_never_did_and_resumes_from
             assert torch.equal(weight, moved["resumed_experts"][name]), name
 
 
+def test_replacement_under_deferred_sync_leaves_other_gradients_on_the_wire():
+    """defer_grad_sync's gradients keep flying into the next forward across a re-placement
+    (it settles only the experts it moves), and the run equals one that never re-places
+    (float64, world 2)."""
+    from commfx.runtime.launcher import launch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    for rank in launch("pack_workers:replacement_with_deferred_sync", 2, timeout_s=300):
+        never, moved = rank["never"], rank["moved"]
+        assert sum(sum(m) for m in moved["moved"]) > 0, "a re-placement moved experts (else this proves nothing)"
+        assert all(moved["pending_after_replacement"]), "gradients other than the experts' were settled by the re-placement"
+        assert max(abs(a - b) for a, b in zip(never["losses"], moved["losses"])) <= 1e-10
+        for name, weight in never["experts"].items():
+            assert (weight - moved["experts"][name]).abs().max() <= 1e-10, name
+        for name, weight in never["others"].items():
+            assert (weight - moved["others"][name]).abs().max() <= 1e-10, name
+
+
 @pytest.mark.parametrize(
     "degree, message",
     [

@@ -357,6 +357,17 @@ class DistributedModule(torch.nn.Module):
 
         optimizer.register_step_post_hook(after_step)
 
+    def _settle_experts(self) -> None:
+        """Settle what a re-placement reads and moves: the packed experts' weights, their
+        deferred gradients applied (defer_grad_sync), whole under shard_states stage 3. Other
+        deferred gradients stay on the wire into the next forward, as on any step."""
+        if self.deferred is not None:
+            moving = {id(self.module.get_parameter(t)) for layer in self.placements.layers.values() for t in layer.weights}
+            self.deferred.settle([i for i, slot in enumerate(self.grad_sync.slots) if id(slot.param) in moving])
+        gather = getattr(self.grad_sync, "params", None)
+        if gather is not None:
+            gather.gather_all()
+
     def _has_row_ops(self) -> bool:
         return any(n.op == "call_function" and getattr(n.target, "namespace", None) == "commfx" and n.target._opname in ROW_OPS
                    for n in self.module.graph.nodes)
@@ -364,7 +375,7 @@ class DistributedModule(torch.nn.Module):
     def replace_experts(self, optimizer: torch.optim.Optimizer | None = None) -> list[Decision]:
         """Re-place every packed layer's experts now from the all-reduced routing statistics
         (collective: call on every rank at the same point, between steps)."""
-        self.synchronize()
+        self._settle_experts()
         balance = min((spec["balance"] for spec in self.packing.values()), default=0.1)
         decisions = replace_experts(self.placements, self.scheduler, self.module, optimizer, balance, step=self.optimizer_steps)
         self.placement_log.append(decisions)
