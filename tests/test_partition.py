@@ -69,9 +69,22 @@ def test_chunk_counts_of_received_counts_keep_their_shape():
 def test_the_pipeline_formula():
     one = region_time(F).subs(k, 1)
     assert sympy.simplify(one - (2 * (alpha + B / beta) + gamma + F / phi)) == 0
-    # comm-bound: every extra chunk adds the link time of both all-to-alls
+    # comm-bound: every extra chunk adds the link time of both all-to-alls, and its host cost
     values = {alpha: 0, beta: 1, B: 10, gamma: 0, phi: 1, F: 1}
     assert region_time(F).subs(values).subs(k, 4) == pytest.approx(2 * 10 / 4 + 1 / 4 + 3 * (2 * 10 / 4))
+    assert region_time(F).subs({**values, gamma: 0.5}).subs(k, 4) == pytest.approx(2 * 10 / 4 + 1 / 4 + 3 * (2 * 10 / 4) + 4 * 0.5)
+
+
+def test_a_chunks_host_cost_is_not_hidden_behind_the_link():
+    """Measured at Mixtral-8x7B's proportions on this project's CPU cluster (log
+    2026-11-28-lina_chunks_mixtral_2x1.json): k=4 cost 28 ms of compute a step over k=2 and
+    a 20% slower step, while the link-bound model with the host cost inside the experts'
+    stage chose 4. With the measured figures of that run's neighbour (20 MB/s a rank,
+    0.49 ms a collective) and the CPU's host cost per chunk, the model now keeps 2."""
+    topology = Topology(world_size=2, ranks_per_node=1, inter_node_bandwidth=20.13e6, inter_node_latency_s=0.0,
+                        collective_overhead_s=0.49e-3, flops_per_s=62.6e9)
+    region = MoERegion(tokens=512, hidden=128, expert_hidden=448, top_k=2, num_experts=8, dtype_bytes=4)
+    assert choose_chunks(region, topology, chunk_overhead_s=1e-3) == 2
     assert STEP_TIME.free_symbols == {alpha, beta, gamma, phi, B, F, k}
 
 

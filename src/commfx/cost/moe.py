@@ -5,11 +5,14 @@ all-to-all. Both all-to-alls share the link, so per chunk the link is busy 2·t_
 experts t_f, with
 
     t_c = α + B / (k β)          (α: per-collective latency, B: bytes a rank sends, β: its bandwidth)
-    t_f = γ + F / (k φ)          (γ: fixed cost of one more chunk of kernels, F: FLOPs, φ: FLOP/s)
+    t_f = F / (k φ)              (F: FLOPs, φ: FLOP/s)
 
-The first chunk passes every stage, each further chunk adds the slower resource:
+The first chunk passes every stage, each further chunk adds the slower resource, and every
+chunk costs the host γ (splitting, regrouping and merging its rows, its kernels' launches)
+in series with both: the thread that does it is the one that feeds the link and the
+experts (on a CPU rank, the very core that moves the bytes), so nothing hides it:
 
-    T(k) = 2·t_c + t_f + (k - 1)·max(2·t_c, t_f)
+    T(k) = 2·t_c + t_f + (k - 1)·max(2·t_c, t_f) + k·γ
 
 Backward is the same pipeline with twice the FLOPs (input and weight gradients). Small k
 leaves the link and the experts idle in turn; large k pays α and γ per chunk. We evaluate
@@ -32,8 +35,8 @@ k, alpha, beta, gamma, phi, B, F = sympy.symbols("k alpha beta gamma phi B F", p
 def region_time(flops) -> sympy.Expr:
     """T(k) of one pipelined dispatch -> experts -> combine region doing `flops`."""
     t_c = alpha + B / (k * beta)
-    t_f = gamma + flops / (k * phi)
-    return 2 * t_c + t_f + (k - 1) * sympy.Max(2 * t_c, t_f)
+    t_f = flops / (k * phi)
+    return 2 * t_c + t_f + (k - 1) * sympy.Max(2 * t_c, t_f) + k * gamma
 
 
 STEP_TIME = region_time(F) + region_time(2 * F)  # forward + backward of one layer
