@@ -75,7 +75,7 @@ timeout 1500 "$COMMFX" bench gpt-moe --model-arg expert_hidden=1024 --inter-node
 # sized by --inter-node auto from the measured FLOP/s (issues 42 and 43)
 timeout 1500 "$COMMFX" bench gpt-moe --proportions mixtral-8x7b --inter-node auto \
   --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a,microbatch_overlap,defer_grad_sync" --vs peer:deepspeed_moe \
-  --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --steps 5 --warmup 1 --steps-per-round 2 --timeout 1400 \
+  --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --steps 8 --warmup 1 --steps-per-round 2 --timeout 1400 \
   --json "$OUT/peers_lina_mixtral_proportions_2x1.json" | tee "$OUT/peers_lina_mixtral_proportions_2x1.txt"
 # RESULTS.md, EmbRace against DDP: the loss-returning words model (the LM head can be split)
 timeout 1500 "$COMMFX" bench benchmarks/embrace_models.py:gpt_moe_words_loss --passes lift,expert_parallel,split_embedding_comm \
