@@ -110,7 +110,9 @@ def expert_work_shape(program, tokens: int) -> tuple[int, int, int, int, int]:
     return experts, rows, hidden, width, gate_up.shape[1] // width + 1
 
 
-def expert_rate(dtype: torch.dtype, device: torch.device, experts: int, rows: int, hidden: int, width: int, matrices: int) -> float:
+def expert_rate(dtype: torch.dtype, device: torch.device, experts: int, rows: int, hidden: int, width: int, matrices: int,
+                repeats: int = REPEATS) -> float:
+    """FLOP/s of the experts' two grouped GEMMs at this shape, best of `repeats` timings."""
     from ..kernels import grouped_mm
 
     x = torch.randn(experts * rows, hidden, dtype=dtype, device=device)
@@ -118,7 +120,7 @@ def expert_rate(dtype: torch.dtype, device: torch.device, experts: int, rows: in
     down = torch.randn(experts, hidden, width, dtype=dtype, device=device)
     counts = torch.full((experts,), rows, dtype=torch.int64, device=device)
     best = float("inf")
-    for _ in range(REPEATS + 1):  # the first warms up (and compiles the kernels on a GPU)
+    for _ in range(repeats + 1):  # the first warms up (and compiles the kernels on a GPU)
         _sync(device)
         start = time.perf_counter()
         inner = grouped_mm(x, up, counts)
