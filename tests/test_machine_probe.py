@@ -21,6 +21,8 @@ def test_measured_figures_replace_the_ones_the_cost_models_read():
     # two ranks share a node's link: the node's bandwidth is twice a rank's share
     assert (across.flops_per_s, across.collective_overhead_s, across.inter_node_bandwidth) == (2e10, 2e-3, 12.5e6)
     assert across.chunk_overhead_s == 2e-3  # one more chunk costs one more collective
+    # ... and its host work, where the caller gives the device's figure (distribute does)
+    assert measured_topology(topology, MachineFigures(2e10, 2e-3, 6.25e6, spans_nodes=True), 1e-3).chunk_overhead_s == pytest.approx(3e-3)
     assert across.inter_node_latency_s == 0.0 and across.intra_node_bandwidth == topology.intra_node_bandwidth
     within = measured_topology(Topology(world_size=2), MachineFigures(5e10, 5e-4, 6e8, spans_nodes=False))
     assert within.intra_node_bandwidth == 6e8 and within.inter_node_bandwidth == Topology(world_size=2).inter_node_bandwidth

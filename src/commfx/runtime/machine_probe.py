@@ -85,10 +85,14 @@ def measure(scheduler: CommScheduler, topology: Topology, dtype: torch.dtype, de
     return MachineFigures(min(f[0] for f in figures), max(f[1] for f in figures), min(f[2] for f in figures), spans)
 
 
-def measured_topology(topology: Topology, figures: MachineFigures) -> Topology:
-    """`topology` with the measured figures where its cost models read them."""
+def measured_topology(topology: Topology, figures: MachineFigures, host_chunk_s: float = 0.0) -> Topology:
+    """`topology` with the measured figures where its cost models read them. One more chunk
+    of a partitioned MoE region costs a collective's fixed cost and `host_chunk_s` of host
+    work (its split, regroup and merge, its kernels' launches: the device's typical figure,
+    `cost.moe.CHUNK_OVERHEAD_S`; 0 for runs compiled before it counted)."""
     per_node = min(topology.node_size, topology.expert_parallel_size)
-    changes: dict = {"flops_per_s": figures.flops_per_s, "collective_overhead_s": figures.collective_s, "chunk_overhead_s": figures.collective_s}
+    changes: dict = {"flops_per_s": figures.flops_per_s, "collective_overhead_s": figures.collective_s,
+                     "chunk_overhead_s": figures.collective_s + host_chunk_s}
     if figures.link_bytes_per_s != float("inf"):
         if figures.spans_nodes:  # cost models divide a node's link among its ranks
             changes.update(inter_node_bandwidth=figures.link_bytes_per_s * per_node, inter_node_latency_s=0.0)
