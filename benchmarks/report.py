@@ -338,6 +338,12 @@ class Report:
         lines.append(f"- `{mix.name}`: {sizing}; compute-only step of full Lina ÷ the peer's "
                      f"{x(mix.median('plan', 'compute_only') / mix.median('baseline', 'compute_only'))} (target ≤ 1), "
                      f"naive ÷ the peer's {x(mix.median('naive', 'compute_only') / mix.median('baseline', 'compute_only'))}.")
+        chunks = self.src.bench("log/2026-11-28-lina_chunks_mixtral_2x1.json")
+        per_k = {label: plan["passes"].split("partition_a2a:k=")[1].split(",")[0] for label, plan in chunks.plans.items() if "partition_a2a:k=" in plan["passes"]}
+        lines.append(f"- Chunks per all-to-all, full Lina at Mixtral proportions in one run (`{chunks.name}`, {chunks.link_layout()}): "
+                     + ", ".join(f"k={k}: ÷ the peer {xr(chunks.paired(label, 'baseline'))}, compute-only {ms(chunks.median(label, 'compute_only'))} ms"
+                                 for label, k in sorted(per_k.items(), key=lambda item: int(item[1])))
+                     + ". A chunk's host work is not hidden behind the link on a CPU rank: `k=auto` counts it in series (`cost/moe.py`).")
         self.row("**Lina**", f"full Lina ÷ `peer:deepspeed_moe` {xr(mix.paired('plan', 'baseline'))} paired "
                  f"({x(speed[mix.name])}× faster; claim {claim['speedup']}×: {reached(speed[mix.name] >= claim['speedup'])} on this emulated "
                  f"CPU cluster, {sizing}; "
