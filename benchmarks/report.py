@@ -659,7 +659,9 @@ class Report:
              "″", "same run", f"`{hier.name}`"],
             ["fp8 dispatch ÷ bf16: final loss, all-to-all bytes", f"{pct(fp8_loss)}, {x(fp8_bytes)}×", "2 ranks, one process group",
              "not recorded", "`fp8_dispatch_quality.json`"],
-            [f"`partition_a2a` (k chosen: {chosen}) ÷ naive, machine measured", xr(part.paired("plan", "baseline")), part.link_layout(),
+            [f"`partition_a2a` (k chosen: {chosen}) ÷ naive, machine measured", xr(part.paired("plan", "baseline"))
+             + "".join(f"; `{part.plans[label]['passes'].rsplit(',', 1)[1]}` in the same rounds {xr(part.paired(label, 'baseline'))}"
+                       for label in part.plans if label not in ("plan", "baseline")), part.link_layout(),
              part.load(), f"`{part.name}`"],
         ]
         sites = ((hier.plans["plan"].get("compiled_with") or {}).get("choices") or {}).get("hierarchical_a2a:enabled", "not recorded")
