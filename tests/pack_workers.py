@@ -25,14 +25,16 @@ def _experts_in_original_order(dm) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(dm, optimizer, local, steps):
+def _train(dm, optimizer, local, steps, after_step=None):
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(dm(*local), local)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(step)
     return losses
 
 
@@ -97,15 +99,9 @@ def replacement_with_deferred_sync(rank: int, world_size: int, steps: int = 4) -
         dm = distribute(model, Plan.from_cli(passes, world_size=world_size), local)
         optimizer = torch.optim.Adam(dm.parameters(), lr=3e-3)
         dm.attach_optimizer(optimizer)
-        losses, pending_after_replacement = [], []
-        for step in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(dm(*local), local)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            if (step + 1) % 2 == 0:
-                pending_after_replacement.append(dm.deferred.pending)
+        pending_after_replacement = []
+        losses = _train(dm, optimizer, local, steps,
+                        lambda step: (step + 1) % 2 == 0 and pending_after_replacement.append(dm.deferred.pending))
         dm.synchronize()
         runs[name] = dict(
             losses=losses, pending_after_replacement=pending_after_replacement,
