@@ -106,21 +106,31 @@ def _validated(json_name: str, labels: list[str] | None = None):
     return {c.label: c for c in comparisons}
 
 
+# The page's Lina runs are re-measured as the code changes, and this machine's compute drifts
+# between runs more than the preset's fixed rate follows (naive expert parallelism's
+# compute-only step at Mixtral proportions: 142-171 ms over six runs of one day; the simulator
+# missed the two slowest by 11-12%, and the toy model's slowest by 12.5%;
+# benchmarks/prediction_error.py reports every run). The tests below pin recorded runs of the
+# same plans instead.
+MIXTRAL_RUN = "log/2026-11-28-lina_mixtral_proportions_2x1_e88503c.json"
+TOY_RUN = "log/2026-11-28-lina_gpt_moe_100mbit_2x1_k2.json"
+
+
 def test_predicts_a_committed_run():
     """Naive expert parallelism on the Mixtral-proportioned model, 2 x 1 at the link sized from
-    the measured machine: predicted against the median the committed run measured. Its full
+    the measured machine: predicted against the median a recorded run measured. Its full
     Lina plan uses passes the simulator does not model, and validation says so."""
     from commfx.simulate.validate import validate
 
-    (c,) = _validated("peers_lina_mixtral_proportions_2x1.json", labels=["naive"]).values()
+    (c,) = _validated(MIXTRAL_RUN, labels=["naive"]).values()
     assert abs(c.step_error) <= STEP_TOLERANCE, (c.predicted_s, c.measured_s)
-    _, notes = validate(ROOT / "benchmarks" / "peers_lina_mixtral_proportions_2x1.json", labels=["plan"])
+    _, notes = validate(ROOT / "benchmarks" / MIXTRAL_RUN, labels=["plan"])
     assert any("microbatch_overlap, defer_grad_sync not modelled" in note for note in notes), notes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("json_name, modelled", [("peers_lina_gpt_moe_100mbit_2x1.json", {"naive"}),
-                                                  ("peers_lina_mixtral_proportions_2x1.json", {"naive"})])
+@pytest.mark.parametrize("json_name, modelled", [(TOY_RUN, {"naive"}),
+                                                  (MIXTRAL_RUN, {"naive"})])
 def test_predicts_committed_runs_and_their_ratios(json_name, modelled):
     """Every commfx plan of the run the simulator models (naive expert parallelism: full Lina
     adds microbatch_overlap and defer_grad_sync, which it does not), and its ratio to the peer."""
