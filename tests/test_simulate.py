@@ -107,11 +107,8 @@ def _validated(json_name: str, labels: list[str] | None = None):
 
 
 # The page's Lina runs are re-measured as the code changes, and this machine's compute drifts
-# between runs more than the preset's fixed rate follows (naive expert parallelism's
-# compute-only step at Mixtral proportions: 142-171 ms over six runs of one day; the simulator
-# missed the two slowest by 11-12%, and the toy model's slowest by 12.5%;
-# benchmarks/prediction_error.py reports every run). The tests below pin recorded runs of the
-# same plans instead.
+# between runs by more than the preset's fixed rate follows (benchmarks/prediction_error.py
+# reports every run's error). The tests below pin recorded runs of the same plans instead.
 MIXTRAL_RUN = "log/2026-11-28-lina_mixtral_proportions_2x1_e88503c.json"
 TOY_RUN = "log/2026-11-28-lina_gpt_moe_100mbit_2x1_k2.json"
 

@@ -16,11 +16,11 @@ from .compiler.pipeline import compile_program
 from .compiler.program import Program
 from .compiler.sharding import shard_parameters
 from .compiler.pass_manager import check_plan
+from .cost.moe import host_chunk_overhead
 from .plan import Plan, PlanError, said_once_per_node
 from .runtime import rank_errors
 from .runtime.comm import CommScheduler, build_groups
 from .runtime.devices import module_device_type
-from .cost.moe import CHUNK_OVERHEAD_S
 from .runtime.machine_probe import expert_work_shape, measure, measured_topology
 from .runtime.executor import is_collective
 from .runtime.module import DistributedModule
@@ -87,8 +87,7 @@ def distribute(
         shape = expert_work_shape(lifted, tokens)  # timed at the model's own expert shape
         device = next(model.parameters()).device
         measured = measure(scheduler, plan.topology, _compute_dtype(model, plan), device, shape)
-        host_chunk_s = CHUNK_OVERHEAD_S["cuda" if device.type == "cuda" else "cpu"]
-        plan = dataclasses.replace(plan, topology=measured_topology(plan.topology, measured, host_chunk_s))
+        plan = dataclasses.replace(plan, topology=measured_topology(plan.topology, measured, host_chunk_overhead(device.type)))
     program = compile_program(model, plan, args, kwargs, tokens_per_rank=tokens, captured=captured)
     if measured is not None:
         program.notes.append(measured.describe())

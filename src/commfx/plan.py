@@ -58,7 +58,7 @@ class Topology:
     message_overhead_s: float = 2e-6
     # what one more chunk of a partitioned MoE region costs (a collective and smaller kernels):
     # 0 = the device's typical figure (cost.moe.CHUNK_OVERHEAD_S); Plan(machine="measure") sets
-    # it to the measured cost of one collective
+    # it to the measured cost of one collective plus that figure
     chunk_overhead_s: float = 0.0
 
     @classmethod

@@ -149,8 +149,8 @@ def _measured_flops_per_rank(args) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        # The link is sized from this figure, so it is timed over many short runs (best of
-        # 30, some 50 ms): best of 3 read anything from 37 to 62 GFLOP/s on one machine.
+        # The link is sized from this figure, so it is the best of many short timings (some
+        # 50 ms in all): on a shared CPU a best of few swings by tens of percent.
         return expert_rate(torch.float32, torch.device("cpu"), model.experts, rows, model.hidden, model.expert_hidden, 3,
                            repeats=PROPORTIONS_PROBE_REPEATS)
     finally:

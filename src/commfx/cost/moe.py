@@ -47,6 +47,11 @@ STEP_TIME = region_time(F) + region_time(2 * F)  # forward + backward of one lay
 CHUNK_OVERHEAD_S = {"cuda": 30e-6, "cpu": 1e-3}
 
 
+def host_chunk_overhead(device_type: str) -> float:
+    """The host cost of one more chunk on a device of this type (CUDA, or the CPU's figure)."""
+    return CHUNK_OVERHEAD_S["cuda" if device_type == "cuda" else "cpu"]
+
+
 @dataclass(frozen=True)
 class MoERegion:
     """What one rank moves and computes in one MoE region (uniform routing assumed)."""

@@ -26,7 +26,7 @@ import operator
 
 import torch
 
-from ..cost.moe import CHUNK_OVERHEAD_S, MoERegion, choose_chunks, grad_chunk_bytes
+from ..cost.moe import MoERegion, choose_chunks, grad_chunk_bytes, host_chunk_overhead
 from ..plan import Plan, PlanError
 from ..compiler.program import CommSchedule, Program, stamp
 from ..compiler.regions import MoEBlock
@@ -111,7 +111,7 @@ class PartitionA2A(Pass):
             dtype_bytes=down.element_size(),
             matrices=gate_up.shape[1] // expert_hidden + 1,
         )
-        overhead = plan.topology.chunk_overhead_s or CHUNK_OVERHEAD_S["cuda" if down.is_cuda else "cpu"]
+        overhead = plan.topology.chunk_overhead_s or host_chunk_overhead(down.device.type)
         return choose_chunks(region, plan.topology, max_k=options.max_k, chunk_overhead_s=overhead)
 
 

@@ -312,6 +312,10 @@ class DistributedModule(torch.nn.Module):
         if self.deferred is not None:
             self.deferred.settle()
         self.rows.settle()
+        self._gather_whole()
+
+    def _gather_whole(self) -> None:
+        """Under shard_states stage 3, all-gather every parameter (whole until the next step)."""
         gather = getattr(self.grad_sync, "params", None)
         if gather is not None:
             gather.gather_all()
@@ -364,9 +368,7 @@ class DistributedModule(torch.nn.Module):
         if self.deferred is not None:
             moving = {id(self.module.get_parameter(t)) for layer in self.placements.layers.values() for t in layer.weights}
             self.deferred.settle([i for i, slot in enumerate(self.grad_sync.slots) if id(slot.param) in moving])
-        gather = getattr(self.grad_sync, "params", None)
-        if gather is not None:
-            gather.gather_all()
+        self._gather_whole()
 
     def _has_row_ops(self) -> bool:
         return any(n.op == "call_function" and getattr(n.target, "namespace", None) == "commfx" and n.target._opname in ROW_OPS
