@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commfx.runtime.placement import RoutingStats, contiguous_placement, dispatch_rows, solve_placement
+from commfx.runtime.placement import Placement, RoutingStats, balanced_placement, contiguous_placement, dispatch_rows, solve_placement, swap_search
 
 
 def test_statistics_count_load_and_co_selection():
@@ -92,3 +94,58 @@ def test_clear_errors():
         solve_placement(RoutingStats(6), ranks=4)
     with pytest.raises(ValueError, match="epsilon must be at least 0"):
         solve_placement(RoutingStats(4), ranks=2, epsilon=-0.1)
+
+
+def swap_search_one_pair_at_a_time(stats: RoutingStats, ranks: int, epsilon: float, start: Placement) -> Placement:
+    """The solver's local search written pair by pair, as its docstring states it: the
+    specification the vectorised solver must match swap for swap."""
+    load, co = stats.load, stats.co_selected
+    bound = (1.0 + epsilon) * float(load.sum()) / ranks
+    rank_of = list(start.rank_of)
+    loads = [0.0] * ranks
+    for e, r in enumerate(rank_of):
+        loads[r] += float(load[e])
+
+    def gain(a: int, b: int) -> float:
+        ra, rb = rank_of[a], rank_of[b]
+        return sum(float(co[a, e] - co[b, e]) if r == rb else float(co[b, e] - co[a, e]) if r == ra else 0.0
+                   for e, r in enumerate(rank_of) if e not in (a, b))
+
+    while True:
+        best = None
+        for a, b in itertools.combinations(range(len(rank_of)), 2):
+            ra, rb = rank_of[a], rank_of[b]
+            if ra == rb:
+                continue
+            delta = float(load[b] - load[a])
+            new_a, new_b = loads[ra] + delta, loads[rb] - delta
+            within = new_a <= bound + 1e-9 and new_b <= bound + 1e-9
+            rebalances = max(loads[ra], loads[rb]) > bound + 1e-9 and max(new_a, new_b) < max(loads[ra], loads[rb]) - 1e-9
+            g = gain(a, b)
+            if (within or rebalances) and (g > 1e-9 or rebalances) and (best is None or (rebalances, g) > best[0]):
+                best = ((rebalances, g), a, b, delta)
+        if best is None:
+            return Placement(tuple(rank_of), ranks)
+        _, a, b, delta = best
+        loads[rank_of[a]] += delta
+        loads[rank_of[b]] -= delta
+        rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    experts_and_ranks=st.sampled_from([(4, 2), (8, 2), (8, 4), (12, 3), (16, 2)]),
+    top_k=st.integers(1, 4),
+    tokens=st.integers(1, 80),
+    epsilon=st.floats(0.0, 0.5),
+    seed=st.integers(0, 2**16),
+)
+def test_vectorised_search_makes_the_same_swaps_as_the_pairwise_one(experts_and_ranks, top_k, tokens, epsilon, seed):
+    experts, ranks = experts_and_ranks
+    g = torch.Generator().manual_seed(seed)
+    skew = torch.rand(experts, generator=g) ** 3 + 0.05
+    stats = RoutingStats(experts)
+    stats.observe(torch.multinomial(skew.expand(tokens, experts), top_k, generator=g))
+    for start in (contiguous_placement(experts, ranks), balanced_placement(stats.load, ranks)):
+        expected = swap_search_one_pair_at_a_time(stats, ranks, epsilon, start)
+        assert swap_search(stats, ranks, epsilon, start, max_rounds=10_000) == expected

@@ -17,7 +17,6 @@ all-reduced statistics choose the same placement without talking to each other.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ __all__ = [
     "slot_ranks",
     "solve_placement",
     "solve_slots",
+    "swap_search",
 ]
 
 
@@ -115,11 +115,13 @@ class Placement:
         return [e for e, r in enumerate(self.rank_of) if r == rank]
 
     def loads(self, load: torch.Tensor) -> list[float]:
-        return [float(sum(load[e] for e in self.experts_of(r))) for r in range(self.ranks)]
+        return load.to(torch.float64).new_zeros(self.ranks).index_add_(0, torch.tensor(self.rank_of), load.to(torch.float64)).tolist()
 
     def colocated(self, co_selected: torch.Tensor) -> float:
         """Selections that share a rank: sum of co_selected[i, j] over pairs i < j on one rank."""
-        return float(sum(co_selected[i, j] for r in range(self.ranks) for i, j in itertools.combinations(self.experts_of(r), 2)))
+        rank_of = torch.tensor(self.rank_of)
+        same = (rank_of[:, None] == rank_of[None, :]).triu(1)
+        return float(co_selected.to(torch.float64)[same].sum())
 
 
 def contiguous_placement(num_experts: int, ranks: int) -> Placement:
@@ -162,47 +164,48 @@ def solve_placement(stats: RoutingStats, ranks: int, epsilon: float = 0.1, max_r
         over = max(p.loads(load)) > bound + 1e-9
         return (over, max(p.loads(load)) if over else 0.0, -p.colocated(co))
 
-    rank_of = list(min(candidates, key=preference).rank_of)
-    loads = [0.0] * ranks
-    for e, r in enumerate(rank_of):
-        loads[r] += float(load[e])
+    return swap_search(stats, ranks, epsilon, min(candidates, key=preference), max_rounds)
 
-    def gain(a: int, b: int) -> float:
-        """Change of co-located selections if experts a and b trade ranks."""
-        ra, rb = rank_of[a], rank_of[b]
-        g = 0.0
-        for e, r in enumerate(rank_of):
-            if e in (a, b):
-                continue
-            if r == rb:
-                g += float(co[a, e] - co[b, e])
-            elif r == ra:
-                g += float(co[b, e] - co[a, e])
-        return g
+
+def swap_search(stats: RoutingStats, ranks: int, epsilon: float, start: Placement, max_rounds: int) -> Placement:
+    """`solve_placement`'s local search from `start`: the best allowed swap, until none improves.
+    Every pair's gain is computed at once from `beside` (each expert's co-selections per rank),
+    which a swap updates in two columns, so a round costs O(E^2) tensor work, not O(E^3) Python."""
+    num_experts = stats.num_experts
+    load, co = stats.load, stats.co_selected
+    bound = (1.0 + epsilon) * float(load.sum()) / ranks
+    rank_of = torch.tensor(start.rank_of)
+    members = torch.zeros(num_experts, ranks, dtype=torch.float64)
+    members[torch.arange(num_experts), rank_of] = 1.0
+    loads = load @ members  # per rank
+    beside = co @ members  # beside[e, r]: co-selections of e with the experts on rank r (co's diagonal is 0)
+    upper = torch.ones(num_experts, num_experts, dtype=torch.bool).triu(1)  # each pair (a < b) once
+    delta = load[None, :] - load[:, None]  # delta[a, b]: load that moves onto a's rank if a and b trade
 
     for _ in range(max_rounds):
-        best = None
-        for a, b in itertools.combinations(range(num_experts), 2):
-            ra, rb = rank_of[a], rank_of[b]
-            if ra == rb:
-                continue
-            delta = float(load[b] - load[a])
-            new_a, new_b = loads[ra] + delta, loads[rb] - delta
-            within = new_a <= bound + 1e-9 and new_b <= bound + 1e-9
-            rebalances = max(loads[ra], loads[rb]) > bound + 1e-9 and max(new_a, new_b) < max(loads[ra], loads[rb]) - 1e-9
-            if not (within or rebalances):
-                continue
-            g = gain(a, b)
-            key = (rebalances, g)
-            if (g > 1e-9 or rebalances) and (best is None or key > best[0]):
-                best = (key, a, b, delta)
-        if best is None:
+        # gain[a, b]: change of co-located selections if a and b trade ranks; all pairs at once
+        toward = beside[:, rank_of]  # toward[a, b] = beside[a, rank of b]
+        own = beside.gather(1, rank_of[:, None])
+        gain = toward - own + toward.T - own.T - 2.0 * co
+        load_a, load_b = loads[rank_of][:, None], loads[rank_of][None, :]
+        new_a, new_b = load_a + delta, load_b - delta
+        larger = torch.maximum(load_a, load_b)
+        within = (new_a <= bound + 1e-9) & (new_b <= bound + 1e-9)
+        rebalances = (larger > bound + 1e-9) & (torch.maximum(new_a, new_b) < larger - 1e-9)
+        allowed = upper & (rank_of[:, None] != rank_of[None, :]) & (within | rebalances) & ((gain > 1e-9) | rebalances)
+        if not bool(allowed.any()):
             break
-        _, a, b, delta = best
-        loads[rank_of[a]] += delta
-        loads[rank_of[b]] -= delta
-        rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-    return Placement(tuple(rank_of), ranks)
+        if bool((allowed & rebalances).any()):  # rebalancing first, then the largest gain; ties: the first pair
+            allowed &= rebalances
+        pick = int(torch.where(allowed, gain, float("-inf")).reshape(-1).argmax())
+        a, b = divmod(pick, num_experts)
+        ra, rb = int(rank_of[a]), int(rank_of[b])
+        loads[ra] += delta[a, b]
+        loads[rb] -= delta[a, b]
+        beside[:, ra] += co[:, b] - co[:, a]
+        beside[:, rb] += co[:, a] - co[:, b]
+        rank_of[a], rank_of[b] = rb, ra
+    return Placement(tuple(int(r) for r in rank_of), ranks)
 
 
 def balanced_placement(load: torch.Tensor, ranks: int) -> Placement:
