@@ -36,11 +36,14 @@ def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7,
         optimizer = shard_optimizer(dm, torch.optim.AdamW, lr=0.02, weight_decay=0.1)
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         dm.attach_optimizer(optimizer)
-        losses = []
+        losses, whole = [], []
+        gather = getattr(dm.grad_sync, "params", None)  # stage 3's gathered buckets
         for _ in range(STEPS):
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(dm(*local), local)
+            whole.append(sum(gather.whole) if gather else None)
             loss.backward()
+            whole.append(sum(gather.whole) if gather else None)
             losses.append(loss.detach())
             optimizer.step()
             schedule.step()
@@ -54,6 +57,8 @@ def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7,
             "losses": torch.stack(losses),
             **after_training(dm, optimizer, one_more_step),
             "stepped": sum(v.numel() for g in getattr(optimizer, "optimizer", optimizer).param_groups for v in g["params"]),
+            "whole_after_forward_and_backward": whole,
+            "buckets": len(gather.shards) if gather else 0,
         }
     if with_misuse:
         results["misuse"] = misuse(rank, world_size)

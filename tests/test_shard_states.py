@@ -18,6 +18,7 @@ from commfx.compiler.pass_manager import check_plan
 from commfx.models import load_model
 from commfx.plan import Plan, PlanError
 from commfx.runtime.launcher import launch
+from shard_workers import STEPS
 
 EP = "lift,expert_parallel"
 LINA = "lift,expert_parallel,partition_a2a:k=2;grad_chunk_bytes=1024"
@@ -51,6 +52,9 @@ def test_sharded_steps_equal_replicated_steps_and_hold_less():
             assert got["memory"]["optimizer_state"] < want["memory"]["optimizer_state"]
             if ":stage=3" in sharded:  # parameters sharded too (all but whole experts, with ep == world)
                 assert got["memory"]["parameters"] < want["memory"]["parameters"], (sharded, got["memory"], want["memory"])
+                # the first step records each bucket's readers (all gathered up front, all freed);
+                # later forwards keep only the bucket the backward reads first, backwards free all
+                assert got["buckets"] > 1 and got["whole_after_forward_and_backward"][2:] == [1, 0] * (STEPS - 1), (sharded, got)
             else:
                 assert got["memory"]["parameters"] == want["memory"]["parameters"]
         dense, stage1, stage2 = (result[p]["memory"] for p in ("lift", "lift,shard_states:stage=1", "lift,shard_states:stage=2"))
@@ -158,8 +162,11 @@ def test_bucket_bytes_auto_follows_the_machine():
         return size
 
     fast = chosen(inter_node_bandwidth=50e9, collective_overhead_s=20e-6)  # a GPU cluster's link
-    slow = chosen(inter_node_bandwidth=125e6, collective_overhead_s=0.5e-3)  # 1 Gbit/s, gloo's per-call cost
+    slow = chosen(inter_node_bandwidth=125e6, collective_overhead_s=0.5e-3, inter_node_latency_s=0.0)  # 1 Gbit/s, gloo's per-call cost
     assert fast > 10 * slow and slow >= 64 * 1024, (fast, slow)  # per-call cost x bandwidth: 16x apart
+    # an all-gather of a 2-rank bucket sends half of it: 0.5 ms <= a tenth of the call when
+    # half the bucket takes 9 x 0.5 ms at 125 MB/s, a bucket of 1,125,000 bytes (to the KiB above)
+    assert slow == 1_125_376
     with pytest.raises(PlanError, match="bucket_bytes must be bytes >= 0 .* or auto"):
         check_plan(Plan.from_cli("lift,shard_states:bucket_bytes=big", world_size=2), model)
 

@@ -115,10 +115,12 @@ def choose_chunks(region: MoERegion, topology: Topology, *, max_k: int = 8, chun
     return min(candidates, key=lambda c: (times[c], c))
 
 
-def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: int = 64 * 1024) -> int:
+def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: int = 64 * 1024, sharded: bool = False) -> int:
     """Gradient all-reduce chunk size: the smallest whose ring all-reduce spends at most
     `latency_share` of its time on latency (smaller chunks pre-empt sooner but pay the
-    2(P-1) latencies of a ring for every chunk)."""
+    2(P-1) latencies of a ring for every chunk). `sharded`: the same rule for a ZeRO bucket,
+    whose all-gather or reduce-scatter sends half an all-reduce's bytes per call (a ring of
+    P-1 steps), so a bucket must be twice the chunk for the same share of per-call cost."""
     world = topology.world_size
     if world == 1:
         return floor
@@ -128,8 +130,10 @@ def grad_chunk_bytes(topology: Topology, *, latency_share: float = 0.1, floor: i
     # whole link (NCCL lays several rings over a node's NICs), as `commfx simulate` models it.
     bandwidth = topology.inter_node_bandwidth if multi_node else topology.intra_node_bandwidth
     ring_latency = 2 * (world - 1) * latency
-    # time on the wire for chunk c: 2 (P-1)/P c / bandwidth; ask ring_latency <= share/(1-share) of it
-    chunk = ring_latency * bandwidth * world / (2 * (world - 1)) * (1 - latency_share) / latency_share
+    # time on the wire for chunk c: 2 (P-1)/P c / bandwidth (all-reduce) or (P-1)/P c / bandwidth
+    # (all-gather, reduce-scatter); ask ring_latency <= share/(1-share) of it
+    sends = (world - 1) / world * (1 if sharded else 2)
+    chunk = ring_latency * bandwidth / sends * (1 - latency_share) / latency_share
     return max(floor, -(-int(chunk) // 1024) * 1024)
 
 

@@ -28,7 +28,7 @@ import dataclasses
 
 from ..buckets import Entry, make_buckets, shard_size
 from ..compiler.program import Program
-from ..cost.moe import grad_chunk_bytes as latency_bound_bytes
+from ..cost.moe import grad_chunk_bytes
 from ..plan import Plan, PlanError
 from .base import RuntimeSetting, register
 
@@ -82,7 +82,7 @@ class ShardStates(RuntimeSetting):
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         super().run(program, options, plan)
         if options.bucket_bytes == "auto":  # from the topology's figures (Plan(machine="measure"): this machine's)
-            program.runtime.shard_states["bucket_bytes"] = latency_bound_bytes(plan.topology)
+            program.runtime.shard_states["bucket_bytes"] = grad_chunk_bytes(plan.topology, sharded=True)
             program.notes.append(f"{PASS}: bucket_bytes=auto: {program.runtime.shard_states['bucket_bytes']:,} bytes, the smallest "
                                  "whose all-gather and reduce-scatter spend at most a tenth of their time on per-call costs")
         bucket_bytes = program.runtime.shard_states["bucket_bytes"] or plan.grad_bucket_bytes

@@ -254,13 +254,13 @@ class DistributedModule(torch.nn.Module):
 
     def _compile(self, inputs, captured: Captured):
         gather = getattr(captured.grad_sync, "params", None)  # shard_states stage 3: parameters gathered around each use
-        params = (lambda gm: gather.run(gm)) if gather is not None else (lambda gm: None)
+        params = (lambda gm, keep_last=False: gather.run(gm, keep_last)) if gather is not None else (lambda gm, keep_last=False: None)
 
         def forward(gm):
             self.region_reports.append(("forward", gm.meta.get(REGION_REPORT)))
             if self.deferred is not None:
                 return lambda *args: ForwardExecutor(gm, self.scheduler, self.deferred, timeline=self.timeline).run(*args)
-            return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline, params=params(gm)).run(*args)
+            return lambda *args: GraphExecutor(gm, self.scheduler, timeline=self.timeline, params=params(gm, keep_last=True)).run(*args)
 
         def schedule_backward(gm):  # once: before the regions are cut under Inductor, else for the interpreter
             if gm.meta.get(BACKWARD_SCHEDULED):

@@ -114,8 +114,8 @@ class ParamGather:
             for index in freed:
                 self.shards[index].full.untyped_storage().resize_(0)
 
-    def run(self, gm: fx.GraphModule) -> "GraphGathers":
-        return GraphGathers(self, gm)
+    def run(self, gm: fx.GraphModule, keep_last: bool = False) -> "GraphGathers":
+        return GraphGathers(self, gm, keep_last)
 
     def bucket_of(self, value) -> int | None:
         if not isinstance(value, torch.Tensor) or value.device.type == "meta":
@@ -126,11 +126,16 @@ class ParamGather:
 class GraphGathers:
     """One run of one graph: gathers each bucket before its first reader, prefetches the
     next, frees each after its last (see the module docstring). The executor calls
-    `begin(args)`, `before(node, env)`, `after(node)` and `end()`."""
+    `begin(args)`, `before(node, env)`, `after(node)` and `end()`. `keep_last` (the forward):
+    the bucket read first in order of use last stays whole after its last reader, since the
+    backward reads it first (FSDP2 keeps its root's parameters so): its all-gather would
+    open the backward with nothing to hide it behind. The backward frees it after its own
+    last reader; an optimizer step (`release`) in any case."""
 
-    def __init__(self, gather: ParamGather, gm: fx.GraphModule):
+    def __init__(self, gather: ParamGather, gm: fx.GraphModule, keep_last: bool = False):
         self.gather = gather
         self.gm = gm
+        self.keep_last = keep_last
         self.uses = gm.meta.get(USES)  # (order, first reader -> buckets, last reader -> buckets)
         self.needed: list[int] = []
         self.readers: dict[int, list[fx.Node]] = {}
@@ -166,8 +171,10 @@ class GraphGathers:
 
     def after(self, node: fx.Node) -> None:
         if self.uses is not None:
+            kept = self.uses[0][-1] if self.keep_last and self.uses[0] else None
             for index in self.uses[2].get(node, ()):
-                self.gather.free(index)
+                if index != kept:
+                    self.gather.free(index)
 
     def end(self) -> None:
         if self.uses is None:
@@ -182,6 +189,7 @@ class GraphGathers:
             for index in self.needed:
                 self.gather.free(index)
             return
-        for index in self.uses[0]:  # a run that raised midway: nothing stays whole or in flight
-            if self.gather.whole[index] or index in self.gather.pending:
+        kept = self.uses[0][-1] if self.keep_last and self.uses[0] else None
+        for index in self.uses[0]:  # a run that raised midway: nothing else stays whole or in flight
+            if index != kept and (self.gather.whole[index] or index in self.gather.pending):
                 self.gather.free(index)
