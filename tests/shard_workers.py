@@ -48,14 +48,19 @@ def train_each_plan(rank: int, world_size: int, plans: list[str], rows: int = 7,
             optimizer.step()
             schedule.step()
 
+        dm.settle()  # a step boundary: stage 3's parameters stay sharded
+        whole.append(sum(gather.whole) if gather else None)
+
         def one_more_step(resumed):
             resumed.zero_grad(set_to_none=True)
             loss_fn(dm(*local), local).backward()
             resumed.step()
 
+        trained = after_training(dm, optimizer, one_more_step)  # ends in synchronize(): every parameter whole
+        whole.append(sum(gather.whole) if gather else None)
         results[passes] = {
             "losses": torch.stack(losses),
-            **after_training(dm, optimizer, one_more_step),
+            **trained,
             "stepped": sum(v.numel() for g in getattr(optimizer, "optimizer", optimizer).param_groups for v in g["params"]),
             "whole_after_forward_and_backward": whole,
             "buckets": len(gather.shards) if gather else 0,

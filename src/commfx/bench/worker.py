@@ -195,11 +195,12 @@ class _PlanRunner(_Runner):
         return max(lanes.values(), default=0)
 
     def _train_steps(self) -> None:
-        """`steps_per_round` training steps back to back, then every deferred gradient settled."""
+        """`steps_per_round` training steps back to back, then every deferred gradient settled
+        (stage 3's parameters stay sharded: the next step's forward gathers them, as in training)."""
         for index in range(self.steps_per_round):
             self._train_step(self.batches[index], self.batches[index + 1])
         if not self.pipelined:
-            self.dm.synchronize()
+            self.dm.settle()
 
     @property
     def placement_lines(self) -> list[str]:
@@ -259,7 +260,7 @@ class _PlanRunner(_Runner):
                 self._train_step(self.batches[index], self.batches[index + 1])
                 self.dm.timeline.step(index, start, time.perf_counter())
             if not self.pipelined:
-                self.dm.synchronize()
+                self.dm.settle()
             path = rank_trace_path(Path(trace_dir) / f"{self.spec.label}.json", rank)
             return str(self.dm.timeline.write(path, self.scheduler.dispatcher.history))
         finally:

@@ -309,10 +309,17 @@ class DistributedModule(torch.nn.Module):
         (defer_grad_sync; a no-op otherwise). state_dict() and re-placement call it; call it
         before reading parameters or gradients outside forward and backward. Under
         shard_states:stage=3 it all-gathers every parameter, whole until the next step."""
+        self.settle()
+        self._gather_whole()
+
+    def settle(self) -> None:
+        """Apply every gradient still on the wire and the optimizer step it missed
+        (defer_grad_sync), and every embedding row still posted; unlike `synchronize`, leave
+        stage 3's parameters sharded: what a training loop's step boundary needs, since the
+        next forward gathers each bucket where it is read."""
         if self.deferred is not None:
             self.deferred.settle()
         self.rows.settle()
-        self._gather_whole()
 
     def _gather_whole(self) -> None:
         """Under shard_states stage 3, all-gather every parameter (whole until the next step)."""
