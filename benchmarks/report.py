@@ -279,6 +279,18 @@ def link_sizing(run) -> str:
             else "its link sized from this machine's measured FLOP/s, no cost-model figure given")
 
 
+def seeds_text(quality: dict) -> str:
+    """How many seeds a quality run trained each plan with (older runs: one, seed 0)."""
+    seeds = quality["rows"][0].get("seeds", [0])
+    return "one seed" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}, the mean of each seed's change"
+
+
+def per_seed(row: dict) -> str:
+    """A quality row's per-seed changes, when it has more than one seed."""
+    changes = row.get("vs_uncompressed_per_seed") or []
+    return f" ({', '.join(pct(c) for c in changes)})" if len(changes) > 1 else ""
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -468,7 +480,7 @@ class Report:
         rows = [[f"`{p['passes']}`", run.wall(label), ms(run.median(label, "compute_only")), xr(run.paired(label, "baseline"))]
                 for label, p in run.plans.items()]
         q = self.src.json("pipeline_quality_peer_model.json")
-        qrows = [[r["plan"], f"{r['bytes_ratio']:.1f}×", pct(r["vs_uncompressed"]),
+        qrows = [[r["plan"], f"{r['bytes_ratio']:.1f}×", pct(r["vs_uncompressed"]) + per_seed(r),
                   "yes" if abs(r["vs_uncompressed"]) <= claim["loss_within"] else "no"] for r in q["rows"]]
         best = max(q["rows"], key=lambda r: r["bytes_ratio"])
         default = next(r for r in q["rows"] if r["plan"].startswith("epilogue only"))
@@ -477,7 +489,7 @@ class Report:
                  f"- `{run.name}`: {run.model()}, pp {run.d['plans'][0].get('layout', {}) and run.d['plans'][0]['layout'].get('pp') or 'not recorded'}; "
                  f"{run.link_layout()}; load {run.load()}.", "",
                  f"Quality and bytes (`benchmarks/pipeline_quality.py`, `pipeline_quality_peer_model.json`, {q['args']['steps']} steps, "
-                 f"hidden {q['args']['hidden']}, one seed; load {load_cell(q.get('run'))}):", "",
+                 f"hidden {q['args']['hidden']}, {seeds_text(q)}; load {load_cell(q.get('run'))}):", "",
                  table(["plan", "fewer backward bytes", "loss vs uncompressed", f"within {pct(claim['loss_within'], False)}"], qrows), "",
                  f"- Claimed {claim['bytes_fewer']}× fewer bytes with loss within {pct(claim['loss_within'], False)}: "
                  f"{reached(best['bytes_ratio'] >= claim['bytes_fewer'] and abs(best['vs_uncompressed']) <= claim['loss_within'])}. "

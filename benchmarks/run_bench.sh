@@ -77,6 +77,14 @@ timeout 1500 "$COMMFX" bench gpt-moe --proportions mixtral-8x7b --inter-node aut
   --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a,microbatch_overlap,defer_grad_sync" --vs peer:deepspeed_moe \
   --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --steps 8 --warmup 1 --steps-per-round 2 --timeout 1400 \
   --json "$OUT/peers_lina_mixtral_proportions_2x1.json" | tee "$OUT/peers_lina_mixtral_proportions_2x1.txt"
+# The same at Qwen3-30B-A3B's and OLMoE's proportions (128 and 64 experts, top-8)
+for real in qwen3-30b-a3b olmoe-1b-7b; do
+  name="peers_lina_${real//-/_}_proportions_2x1"
+  timeout 1500 "$COMMFX" bench gpt-moe --proportions "$real" --inter-node auto \
+    --passes "lift,expert_parallel,pack_experts:replace_every=2,partition_a2a,microbatch_overlap,defer_grad_sync" --vs peer:deepspeed_moe \
+    --also naive=lift,expert_parallel --nodes 2 --ranks-per-node 1 --steps 8 --warmup 1 --steps-per-round 2 --timeout 1400 \
+    --json "$OUT/$name.json" | tee "$OUT/$name.txt"
+done
 # RESULTS.md, EmbRace against DDP: the loss-returning words model (the LM head can be split)
 timeout 1500 "$COMMFX" bench benchmarks/embrace_models.py:gpt_moe_words_loss --passes lift,expert_parallel,split_embedding_comm \
   --vs peer:ddp --also dense=lift,expert_parallel --nodes 2 --ranks-per-node 1 --inter-node 100mbit --steps 5 --warmup 1 \
@@ -94,7 +102,7 @@ timeout 1500 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter
   --steps 8 --warmup 1 --batch 16 --model-arg hidden_size=256 --model-arg vocab_size=256 --timeout 1400 \
   --json "$OUT/peers_optimus_cc_pipelining_quiet_100mbit_2x1.json" | tee "$OUT/peers_optimus_cc_pipelining_quiet_100mbit_2x1.txt"
 .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
-  --microbatches 2 --json "$OUT/pipeline_quality_peer_model.json" | tee "$OUT/pipeline_quality_peer_model.txt"
+  --microbatches 2 --seeds 0,1,2 --json "$OUT/pipeline_quality_peer_model.json" | tee "$OUT/pipeline_quality_peer_model.txt"
 # RESULTS.md, LocMoE like for like (issue 30): every router top-1, dropless and in capacity mode with LocMoE's floor,
 # one interleaved run at 2 nodes x 1 rank, 100 Mbit/s, and one at 2 x 2, 1 Gbit/s (4 ranks on 2 cores)
 LOCMOE=(--passes lift,locality_gate,expert_parallel --vs "lift,locality_gate:gate=switch;mu=0,expert_parallel"
