@@ -370,7 +370,8 @@ class Report:
                  f"({x(speed[mix.name])}× faster; claim {claim['speedup']}×: {reached(speed[mix.name] >= claim['speedup'])} on this emulated "
                  f"CPU cluster, {sizing}; "
                  f"projected on A100s: {reached(min(bf16) <= 1 / claim['speedup']).strip('*')}); "
-                 + "; ".join(f"{run.proportions()}: {xr(run.paired('plan', 'baseline'))} ({x(speed[run.name])}× faster)" for run in others),
+                 + "; ".join(f"{run.proportions()}: {xr(run.paired('plan', 'baseline'))} ({x(speed[run.name])}× faster, target "
+                             f"{target[run.name]}×: {'met' if speed[run.name] >= target[run.name] else 'not met'})" for run in others),
                  mix.peer(), "; ".join(run.model() + "; " + run.proportions() for run in (mix, *others)),
                  "; ".join(run.link_layout() for run in (mix, *others)), "measured (emulated CPU cluster)",
                  "; ".join(run.load() for run in (mix, *others)), [run.name for run in (mix, *others)])
@@ -561,11 +562,20 @@ class Report:
                              f"({x(r.paired('plan', 'baseline')[0])})" for r in runs)
                  + f"; ≤ `peer:fsdp2`: " + ", ".join(f"{'met' if r.paired('plan', 'fsdp')[0] <= claim['target_over_fsdp2'] else 'not met'}"
                                                      for r in runs) + "."]
+        last = runs[-1]
+        if "small" in last.plans:
+            chosen = int(last.plans["plan"]["compiled_with"]["choices"]["shard_states:bucket_bytes"])
+            small = int(last.plans["small"]["passes"].split("bucket_bytes=")[1])
+            lines.append(f"- `{last.name}`: `bucket_bytes=auto` chose {chosen:,}-byte buckets from this run's measured link and per-call cost "
+                         f"(an all-gather sends half an all-reduce's bytes); {small:,}-byte buckets (the all-reduce chunk's rule, as "
+                         f"`auto` chose before) ÷ replicated {xr(last.paired('small', 'baseline'))} in the same rounds. "
+                         "A round ends as a training step does: stage 3's parameters stay sharded and the next forward gathers them "
+                         f"(runs before `{last.name}` gathered every parameter after each step, inside the clock, and so charged "
+                         f"stage 3 a serial all-gather of the model; `log/2026-11-28-zero3_dense_buckets_1gbit_2x1_a49e7e6.json`: 1.53).")
         mem = self.src.json("zero_memory_gpt_moe.json")["memory_rank0"]
         lines.append("- Memory (`zero_memory_gpt_moe.json`, rank 0's parameters, gradients and AdamW state): stage 3 ÷ replicated "
                      + ", ".join(f"{x(mem[f'dp={dp} lift,shard_states:stage=3']['total'] / mem[f'dp={dp} lift']['total'])} at dp {dp}"
                                  for dp in (2, 4)) + ".")
-        last = runs[-1]
         self.row("**ZeRO**", f"stage 3 ÷ replicated {xr(last.paired('plan', 'baseline'))}, ÷ `peer:fsdp2` "
                  f"{x(last.paired('plan', 'fsdp')[0])} paired (target ≤ {claim['target_over_replicated']}×: "
                  f"{'met' if last.paired('plan', 'baseline')[0] <= claim['target_over_replicated'] else 'not met'})",
