@@ -483,7 +483,7 @@ class Report:
         q = self.src.json("pipeline_quality_peer_model.json")
         qrows = [[r["plan"], f"{r['bytes_ratio']:.1f}×", pct(r["vs_uncompressed"]) + per_seed(r),
                   "yes" if abs(r["vs_uncompressed"]) <= claim["loss_within"] else "no"] for r in q["rows"]]
-        best = max(q["rows"], key=lambda r: r["bytes_ratio"])
+        best = max(q["rows"], key=lambda r: (r["bytes_ratio"], -abs(r["vs_uncompressed"])))  # most bytes saved, then least loss
         default = next(r for r in q["rows"] if r["plan"].startswith("epilogue only"))
         step = run.paired("plan", "baseline")
         lines = [table(["plan", "wall ms (p25–p75)", "compute-only ms", "÷ `peer:pipelining`, paired (p25–p75)"], rows), "",
@@ -495,7 +495,12 @@ class Report:
                  f"- Claimed {claim['bytes_fewer']}× fewer bytes with loss within {pct(claim['loss_within'], False)}: "
                  f"{reached(best['bytes_ratio'] >= claim['bytes_fewer'] and abs(best['vs_uncompressed']) <= claim['loss_within'])}. "
                  f"The default sends {default['bytes_ratio']:.1f}× fewer backward bytes at {pct(default['vs_uncompressed'])} loss; "
-                 f"compressing every send, {best['bytes_ratio']:.1f}× fewer at {pct(best['vs_uncompressed'])}."]
+                 f"compressing every send ({best['plan'].split(', ', 1)[1]}), {best['bytes_ratio']:.1f}× fewer at {pct(best['vs_uncompressed'])}."]
+        by_plan = {r["plan"]: r["vs_uncompressed"] for r in q["rows"]}
+        if by_plan.get("compressed, lazy error propagation", 0) > by_plan.get("compressed, no error feedback", 0):
+            lines.append("- Lazy error propagation costs loss when every send is compressed: the residual of one micro-batch's "
+                         "activation gradient is added to the next micro-batch's, other tokens, so it does not cancel in the "
+                         "weight gradients the way error feedback on a weight gradient does.")
         proj = plan_log(self.src.text("log/2026-11-26-projection_optimus_cc_a100_128_bf16.txt"))
         base = min((v for k, v in proj.items() if "compress" not in k), default=None)
         if base:
