@@ -517,8 +517,12 @@ class Report:
     def semi(self) -> str:
         claim = self.claims["semi"]
         run = self.src.bench("peers_semi_dtensor_tp_llama_2x1.json")
+        healthy_peer = "healthy-dtensor" if "healthy-dtensor" in run.plans else None
         rows = [[f"`{p['passes']}`", "half speed" if p.get("straggler_slowed") else "none", run.wall(label),
-                 xr(run.paired(label, "baseline")), xr(run.paired(label, "healthy-tp"))] for label, p in run.plans.items()]
+                 xr(run.paired(label, "baseline")), xr(run.paired(label, "healthy-tp"))]
+                + ([xr(run.paired(label, healthy_peer))] if healthy_peer else []) for label, p in run.plans.items()]
+        peer_slowed = bool(run.plans["baseline"].get("straggler_slowed"))
+        straggler = (run.d.get("straggler") or {}).get("describe", "a straggler").split(", cgroup ")[0]
         decisions = run.plans["plan"].get("resize_tp_decisions") or []
         kinds = {k: sum(1 for d in decisions if re.match(rf"step \d+: {k}\b", d)) for k in ("resize", "migrate")}
         st = self.src.json("straggler_tp.json")
@@ -532,9 +536,11 @@ class Report:
         semi_q = next(r for name, r in quality.items() if name.startswith("SEMI"))
         load = load_cell(st["run"]) if st.get("run") else load_cell(None, st["load_before"], st["load_after"], bench.d["machine"]["cpus"])
         over_healthy = run.paired("plan", "healthy-tp")
-        lines = [table(["plan", "straggler", "wall ms (p25–p75)", "÷ `peer:dtensor_tp` (paired)", "÷ commfx tp, healthy (paired)"], rows), "",
-                 f"- `{run.name}`: {run.model()}; {run.link_layout()}; load {run.load()}. The peer ran **without** the straggler, "
-                 f"so the first ratio compares a slowed plan with a healthy peer. SEMI's decisions: {kinds['resize']} resize, "
+        peer_note = (f"The peer ran with the same straggler ({straggler}), in the same rounds" if peer_slowed else
+                     "The peer ran **without** the straggler, so the first ratio compares a slowed plan with a healthy peer")
+        lines = [table(["plan", "straggler", "wall ms (p25–p75)", "÷ `peer:dtensor_tp` (paired)", "÷ commfx tp, healthy (paired)"]
+                       + (["÷ `peer:dtensor_tp`, healthy (paired)"] if healthy_peer else []), rows), "",
+                 f"- `{run.name}`: {run.model()}; {run.link_layout()}; load {run.load()}. {peer_note}. SEMI's decisions: {kinds['resize']} resize, "
                  f"{kinds['migrate']} migrate. Against commfx's own healthy tp it is {x(over_healthy[0])}× (target ≤ "
                  f"{claim['target_over_healthy']}×: {'met' if over_healthy[0] <= claim['target_over_healthy'] else 'not met'}).", "",
                  f"`straggler_tp.json` (`benchmarks/straggler_tp.py`, {describe_model(bench.d['model'], {})}, {bench.link_layout()}, "
@@ -544,8 +550,10 @@ class Report:
                  f"{'met' if semi_over[0] <= claim['target_over_healthy'] else 'not met'}); training loss with the straggler "
                  f"{pct(semi_q['vs_no_straggler'])} against none ({(st.get('quality_args') or st['args'])['steps']} steps, one seed)."]
         self.row("**ZERO-resizing / SEMI**", f"SEMI with a half-speed rank ÷ the healthy step {x(semi_over[0])} paired "
-                 f"(`straggler_tp.json`); ÷ healthy `peer:dtensor_tp` {x(run.paired('plan', 'baseline')[0])}, ÷ healthy commfx tp "
-                 f"{x(over_healthy[0])} (`{run.name}`)", run.peer() + "; the peer had no straggler",
+                 f"(`straggler_tp.json`); ÷ {'`peer:dtensor_tp` with the same straggler' if peer_slowed else 'healthy `peer:dtensor_tp`'} "
+                 f"{x(run.paired('plan', 'baseline')[0])}, ÷ healthy commfx tp {x(over_healthy[0])} (`{run.name}`; target ≤ "
+                 f"{claim['target_over_healthy']}×: {'met' if max(semi_over[0], over_healthy[0]) <= claim['target_over_healthy'] else 'not met'})",
+                 run.peer() + ("; the peer had the same straggler" if peer_slowed else "; the peer had no straggler"),
                  f"{describe_model(bench.d['model'], {})}, {run.model()}; {(st.get('run') or {}).get('proportions') or 'not recorded'}", bench.link_layout(), "measured", load,
                  ["straggler_tp.json", run.name])
         return "\n".join(lines)

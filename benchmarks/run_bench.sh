@@ -165,12 +165,13 @@ timeout 1500 "$COMMFX" bench gpt-moe --passes "lift,shard_states:stage=3;bucket_
   --model-arg num_layers=4 --model-arg hidden_size=256 --model-arg num_experts=1 --model-arg top_k=1 --model-arg expert_hidden=1024 \
   --batch 16 --nodes 2 --ranks-per-node 1 --inter-node 1gbit --steps 8 --warmup 2 --timeout 1400 \
   --json "$OUT/zero3_dense_buckets_1gbit_2x1.json" | tee "$OUT/zero3_dense_buckets_1gbit_2x1.txt"
-# SEMI (resize_tp) with rank 1 at half speed against a healthy DTensor tensor-parallel peer and
-# commfx's healthy tensor parallelism (results page, SEMI row), 2 x 1 with no link limit
+# SEMI (resize_tp) against DTensor tensor parallelism with the same half-speed rank 1 (a CPU quota of half a
+# core, which slows a peer too), and both healthy (results page, SEMI row), 2 x 1 with no link limit
 timeout 1500 "$COMMFX" bench hf:llama --tp 2 --passes lift,tensor_parallel,resize_tp --vs peer:dtensor_tp \
-  --also healthy-tp=lift,tensor_parallel --healthy baseline --healthy healthy-tp --slow-rank 1:2 --slow-method delay \
+  --also healthy-tp=lift,tensor_parallel --also healthy-dtensor=peer:dtensor_tp --healthy healthy-tp --healthy healthy-dtensor \
+  --slow-rank 1:2 --slow-method cgroup \
   --model-arg hidden_size=256 --model-arg intermediate_size=1024 --model-arg num_attention_heads=4 --model-arg num_key_value_heads=4 \
-  --batch 8 --nodes 2 --ranks-per-node 1 --inter-node none --steps 20 --warmup 6 --timeout 1400 \
+  --batch 8 --nodes 2 --ranks-per-node 1 --inter-node none --steps 20 --warmup 6 --timeout 800 \
   --json "$OUT/peers_semi_dtensor_tp_llama_2x1.json" | tee "$OUT/peers_semi_dtensor_tp_llama_2x1.txt"
 # LocMoE (results page, LocMoE row): the locality gate against switch, hash and GrAP routers, all
 # top-1, dropless and at capacity 1.25, 2 nodes x 1 rank at 100 Mbit/s
