@@ -119,10 +119,11 @@ def _grouped_mm_cpu(x: Tensor, w: Tensor, counts: Tensor, trans_w: bool, padded:
     sizes = _split_counts(counts, x.shape[0], padded)
     ct = _compute_dtype(x.dtype)
     out = x.new_empty((x.shape[0], n), dtype=ct)
+    xc, wc = x.to(ct), w.to(ct)  # once, not per expert (no-ops in the compute dtype)
     start = 0
     for e, size in enumerate(sizes):
-        w_e = w[e].to(ct)
-        torch.mm(x[start : start + size].to(ct), w_e.T if trans_w else w_e, out=out[start : start + size])
+        if size:  # an expert with no rows writes nothing
+            torch.mm(xc[start : start + size], wc[e].T if trans_w else wc[e], out=out[start : start + size])
         start += size
     out[start:].zero_()
     return out.to(x.dtype)
@@ -135,10 +136,13 @@ def _grouped_mm_weight_grad_cpu(grad_out: Tensor, x: Tensor, counts: Tensor, pad
     sizes = _split_counts(counts, x.shape[0], padded)
     ct = _compute_dtype(x.dtype)
     out = x.new_empty((len(sizes), grad_out.shape[1], x.shape[1]), dtype=ct)
+    gc, xc = grad_out.to(ct), x.to(ct)  # once, not per expert (no-ops in the compute dtype)
     start = 0
     for e, size in enumerate(sizes):
-        rows = slice(start, start + size)
-        torch.mm(grad_out[rows].to(ct).T, x[rows].to(ct), out=out[e])  # [N, 0] @ [0, K]: zeros
+        if size:
+            torch.mm(gc[start : start + size].T, xc[start : start + size], out=out[e])
+        else:
+            out[e].zero_()  # an expert with no rows gets no gradient
         start += size
     return out.to(x.dtype)
 
