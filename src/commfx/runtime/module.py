@@ -254,7 +254,7 @@ class DistributedModule(torch.nn.Module):
 
     def _compile(self, inputs, captured: Captured):
         gather = getattr(captured.grad_sync, "params", None)  # shard_states stage 3: parameters gathered around each use
-        params = (lambda gm, keep_last=False: gather.run(gm, keep_last)) if gather is not None else (lambda gm, keep_last=False: None)
+        params = gather.run if gather is not None else (lambda gm, keep_last=False: None)
 
         def forward(gm):
             self.region_reports.append(("forward", gm.meta.get(REGION_REPORT)))

@@ -135,8 +135,8 @@ class GraphGathers:
     def __init__(self, gather: ParamGather, gm: fx.GraphModule, keep_last: bool = False):
         self.gather = gather
         self.gm = gm
-        self.keep_last = keep_last
         self.uses = gm.meta.get(USES)  # (order, first reader -> buckets, last reader -> buckets)
+        self.kept = self.uses[0][-1] if keep_last and self.uses and self.uses[0] else None  # stays whole after this run
         self.needed: list[int] = []
         self.readers: dict[int, list[fx.Node]] = {}
         self.next = 0
@@ -171,9 +171,8 @@ class GraphGathers:
 
     def after(self, node: fx.Node) -> None:
         if self.uses is not None:
-            kept = self.uses[0][-1] if self.keep_last and self.uses[0] else None
             for index in self.uses[2].get(node, ()):
-                if index != kept:
+                if index != self.kept:
                     self.gather.free(index)
 
     def end(self) -> None:
@@ -189,7 +188,6 @@ class GraphGathers:
             for index in self.needed:
                 self.gather.free(index)
             return
-        kept = self.uses[0][-1] if self.keep_last and self.uses[0] else None
         for index in self.uses[0]:  # a run that raised midway: nothing else stays whole or in flight
-            if index != kept and (self.gather.whole[index] or index in self.gather.pending):
+            if index != self.kept and (self.gather.whole[index] or index in self.gather.pending):
                 self.gather.free(index)

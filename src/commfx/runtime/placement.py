@@ -115,7 +115,8 @@ class Placement:
         return [e for e, r in enumerate(self.rank_of) if r == rank]
 
     def loads(self, load: torch.Tensor) -> list[float]:
-        return load.to(torch.float64).new_zeros(self.ranks).index_add_(0, torch.tensor(self.rank_of), load.to(torch.float64)).tolist()
+        load = load.to(torch.float64)
+        return load.new_zeros(self.ranks).index_add_(0, torch.tensor(self.rank_of), load).tolist()
 
     def colocated(self, co_selected: torch.Tensor) -> float:
         """Selections that share a rank: sum of co_selected[i, j] over pairs i < j on one rank."""
