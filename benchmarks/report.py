@@ -203,7 +203,7 @@ def matching_preset(model: str, kwargs: dict) -> str | None:
     if model != "gpt-moe":
         return None
     for name in proportions.REAL_MODELS:
-        preset = proportions.gpt_moe_kwargs(proportions.matched_link(name, flops_per_rank=1.0, nodes=2).model)
+        preset = proportions.gpt_moe_kwargs(proportions.matched_link(name, flops_per_rank=1.0, nodes=2, pp=2).model)
         if all(kwargs.get(k) == v for k, v in preset.items()):
             return name
     return None

@@ -2,7 +2,11 @@
 
 import pytest
 
-from commfx.bench.proportions import H100_CLUSTER, REAL_MODELS, compute_over_comm, gpt_moe_kwargs, matched_link, scaled
+from commfx.bench.proportions import (
+    A100_PIPELINE, H100_CLUSTER, REAL_MODELS, compute_over_comm, gpt_moe_kwargs, matched_link, pipeline_compute_over_comm, scaled,
+)
+
+MOE_MODELS = sorted(name for name, model in REAL_MODELS.items() if not model.dense)
 from commfx.cli.main import main
 from commfx.models import load_model
 
@@ -29,7 +33,7 @@ def test_mixtral_compute_over_comm_by_hand():
     assert compute_over_comm(REAL_MODELS["mixtral-8x7b"], H100_CLUSTER) == pytest.approx(compute / comm, rel=1e-12)
 
 
-@pytest.mark.parametrize("name", sorted(REAL_MODELS))
+@pytest.mark.parametrize("name", MOE_MODELS)
 def test_the_matched_link_gives_the_scaled_model_the_real_ratio(name):
     matched = matched_link(name, flops_per_rank=3e10, nodes=2)
     m = matched.model
@@ -38,9 +42,34 @@ def test_the_matched_link_gives_the_scaled_model_the_real_ratio(name):
     assert compute / comm == pytest.approx(compute_over_comm(REAL_MODELS[name]), rel=1e-9)
 
 
+def test_gpt_2_5b_stage_compute_over_boundary_send_by_hand():
+    """Optimus-CC's GPT-2.5B, one token: 52 / 4 = 13 layers a stage, each with q, k, v and o
+    projections of 1,920 x 1,920 and an MLP of 2 x 1,920 x 7,680 (GPT's; three matrices of
+    5,120 here), forward and backward (3x forward), on the stage's node of 8 A100s at 40% of
+    312 TFLOP/s; its bf16 activation of 1,920 crosses the node's 200 Gb/s link."""
+    flops = 13 * 3 * (4 * 2 * 1920 * 1920 + 2 * 2 * 1920 * 7680)
+    compute = flops / (8 * 0.4 * 312e12)
+    comm = 1920 * 2 / (200e9 / 8)
+    assert pipeline_compute_over_comm(REAL_MODELS["gpt-2.5b"], A100_PIPELINE) == pytest.approx(compute / comm, rel=1e-12)
+
+
+def test_the_pipeline_matched_link_gives_one_stage_the_real_ratio():
+    """pp 2 on 2 nodes: two layers a stage; a token's float32 activation of `hidden` crosses."""
+    matched = matched_link("gpt-2.5b", flops_per_rank=3e10, nodes=2, pp=2)
+    m = matched.model
+    assert (m.layers, m.experts, m.top_k, m.hidden) == (4, 1, 1, 256)
+    compute = 2 * 3 * (4 * 2 * m.hidden * m.hidden + 2 * 3 * m.hidden * m.expert_hidden) / 3e10
+    comm = m.hidden * 4 / (matched.rate_bits / 8)
+    assert compute / comm == pytest.approx(pipeline_compute_over_comm(REAL_MODELS["gpt-2.5b"]), rel=1e-9)
+    assert any("boundary send" in line for line in matched.lines())
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["bench", "gpt-moe", "--proportions", "gpt-2.5b", "--inter-node", "100mbit"], "add --pp 2"),
+        (["bench", "gpt-moe", "--proportions", "gpt-2.5b", "--pp", "2", "--nodes", "1", "--ranks-per-node", "2", "--inter-node", "auto",
+          "--flops-per-rank", "1e10"], "needs at least 2 nodes"),
         (["bench", "gpt-moe", "--inter-node", "auto", "--flops-per-rank", "2e10"], "add --proportions NAME"),
         (["bench", "gpt-moe-tiny", "--proportions", "mixtral-8x7b"], "scales the built-in gpt-moe"),
         (["bench", "gpt-moe", "--proportions", "gpt-5", "--inter-node", "100mbit"], "no such model; known: mixtral-8x7b"),
@@ -57,7 +86,7 @@ def test_inter_node_auto_without_a_rate_measures_this_machine():
 
     from commfx.cli.bench import _proportioned
 
-    args = argparse.Namespace(proportions="mixtral-8x7b", model="gpt-moe", flops_per_rank=None, nodes=2, ranks_per_node=1, batch=None)
+    args = argparse.Namespace(proportions="mixtral-8x7b", model="gpt-moe", flops_per_rank=None, nodes=2, ranks_per_node=1, batch=None, pp=1)
     matched, inter_node = _proportioned(args, "auto,1ms")
     assert 1e8 < matched.flops_per_rank < 1e14  # a real rate, not the placeholder of 1 FLOP/s
     assert inter_node == f"{matched.rate_bits / 1e6:.2f}mbit,1ms"

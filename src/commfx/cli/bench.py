@@ -86,9 +86,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --model-arg num_layers=4 (repeatable)")
     parser.add_argument("--proportions", metavar="NAME", default=None,
-                        help="gpt-moe scaled down from a real model's config (mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b): the same "
-                             "experts, top-k and width ratios; with --inter-node auto[,LATENCY] the link that keeps its compute / "
-                             "all-to-all ratio on 8 x H100 nodes at 400 Gb/s (needs --flops-per-rank)")
+                        help="gpt-moe scaled down from a real model's config (mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b; gpt-2.5b, dense, "
+                             "with --pp): the same experts, top-k and width ratios; with --inter-node auto[,LATENCY] the link that "
+                             "keeps its compute / all-to-all ratio on 8 x H100 nodes at 400 Gb/s (gpt-2.5b: a stage's compute / "
+                             "its boundary send in Optimus-CC's A100 run), from this machine's measured rate or --flops-per-rank")
     parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -125,7 +126,7 @@ def _proportioned(args, inter_node: str):
         raise ValueError(f"--proportions scales the built-in gpt-moe; got model {args.model!r} (use gpt-moe)")
     auto = inter_node.lower().startswith("auto")
     flops = args.flops_per_rank or (_measured_flops_per_rank(args) if auto else 1.0)
-    matched = matched_link(args.proportions, flops_per_rank=flops, nodes=args.nodes)
+    matched = matched_link(args.proportions, flops_per_rank=flops, nodes=args.nodes, pp=args.pp)
     return matched, (f"{matched.rate_bits / 1e6:.2f}mbit" + inter_node[4:] if auto else inter_node)
 
 
@@ -139,10 +140,10 @@ def _measured_flops_per_rank(args) -> float:
 
     import torch
 
-    from ..bench.proportions import REAL_MODELS, scaled
+    from ..bench.proportions import bench_model, scaled
     from ..runtime.machine_probe import expert_rate
 
-    model = scaled(REAL_MODELS[args.proportions])
+    model = scaled(bench_model(args.proportions, args.pp))
     world = args.nodes * args.ranks_per_node
     tokens = (args.batch or 32) * 64 // world  # the bench's batch of 64-token sequences, one rank's share
     rows = max(1, tokens * model.top_k // model.experts)
