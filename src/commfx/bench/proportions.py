@@ -135,13 +135,19 @@ def pipeline_compute_over_comm(model: RealModel, spec: PipelineSpec = A100_PIPEL
     return compute / comm
 
 
+def aligned(width: float, multiple: int = 4) -> int:
+    """A scaled width rounded to a multiple of 4 elements, as real configs align theirs (and as
+    torch's grouped matmul on the CPU needs: rows of 16-byte multiples in float32)."""
+    return max(multiple, multiple * round(width / multiple))
+
+
 def scaled(model: RealModel, hidden: int | None = None, heads: int = 4, layers: int = 2) -> RealModel:
     """The model narrowed to `hidden` (default: its `bench_hidden`; heads of hidden // heads,
     as many k/v heads as q) and `layers` deep, keeping experts, top-k and the expert and
     vocabulary ratios to width."""
     hidden = hidden or model.bench_hidden
     return RealModel(
-        f"{model.name} scaled", hidden, max(1, round(hidden * model.expert_hidden / model.hidden)), model.experts,
+        f"{model.name} scaled", hidden, aligned(hidden * model.expert_hidden / model.hidden), model.experts,
         model.top_k, max(2, round(hidden * model.vocab / model.hidden)), heads, heads, hidden // heads, layers,
         f"{model.source}, scaled to hidden {hidden}", hidden,
     )
