@@ -10,8 +10,10 @@ times come from `commfx bench` (interleaved; see benchmarks/RESULTS.md).
 
 Models: `gpt-moe` (the built-in, top_k=1, hidden 32, 8 experts) and `qwen3-moe` (HF
 Qwen3-MoE at Qwen3-30B-A3B's proportions scaled to hidden 128 by `bench/proportions.py`:
-128 experts, expert width 0.375 x hidden; top_k=1 like every router here). Both take a
-256-byte vocabulary. Bytes are exact (counted by the comm scheduler), whatever the CPU
+128 experts, expert width 0.375 x hidden; top_k=1 like every router here). `mixtral`: the
+gpt-moe of `commfx bench --proportions mixtral-8x7b` at Mixtral's own top-2, where the
+routers are the model's top-2 without locality (the base), and GrAP and the model's scores
+with locality. All take a 256-byte vocabulary. Bytes are exact (counted by the comm scheduler), whatever the CPU
 load. A seed fixes the model's weights and the byte windows; every router of one seed
 trains the same model on the same windows.
 """
@@ -28,6 +30,12 @@ from pathlib import Path
 ROUTERS = {
     "switch": "lift,locality_gate:gate=switch;mu=0,expert_parallel",
     "hash": "lift,locality_gate:gate=hash,expert_parallel",
+    "grap+locality": "lift,locality_gate:gate=grap,expert_parallel",
+    "model+locality": "lift,locality_gate:gate=model,expert_parallel",
+}
+# At a real model's own top-k (--model mixtral): no top-1 baselines, the model's router is the base
+ROUTERS_TOP_K = {
+    "top-k, no locality": "lift,expert_parallel",
     "grap+locality": "lift,locality_gate:gate=grap,expert_parallel",
     "model+locality": "lift,locality_gate:gate=model,expert_parallel",
 }
@@ -61,7 +69,11 @@ def build_model(name: str, seed: int, batch: int, seq: int):
             num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_hidden_layers=m.layers,
             num_experts=m.experts, moe_intermediate_size=m.expert_hidden, num_experts_per_tok=1,
         )
-    raise ValueError(f"unknown model {name!r}: gpt-moe or qwen3-moe")
+    if name == "mixtral":
+        from commfx.bench.proportions import REAL_MODELS, gpt_moe_kwargs, scaled
+
+        return load_model("gpt-moe", seed=seed, batch=batch, seq=seq, **(gpt_moe_kwargs(scaled(REAL_MODELS["mixtral-8x7b"])) | {"vocab_size": 256}))
+    raise ValueError(f"unknown model {name!r}: gpt-moe, qwen3-moe or mixtral")
 
 
 def worker(rank: int, world_size: int, passes: str, model: str, seed: int, steps: int, batch: int, seq: int, ranks_per_node: int) -> list:
@@ -163,7 +175,7 @@ def main() -> None:
     from commfx.runtime.launcher import launch
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="gpt-moe", choices=("gpt-moe", "qwen3-moe"))
+    parser.add_argument("--model", default="gpt-moe", choices=("gpt-moe", "qwen3-moe", "mixtral"))
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (model weights and byte windows)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
@@ -171,13 +183,16 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--json", default="")
-    parser.add_argument("--only", default="", help="run only these comma-separated labels, in this order (switch always runs, first)")
+    parser.add_argument("--only", default="", help="run only these comma-separated labels, in this order (the base, switch or "
+                                                  "top-k, always runs, first)")
     parser.add_argument("--plan", action="append", default=[], metavar="LABEL=PASSES", help="an extra plan (repeatable)")
     args = parser.parse_args()
-    recorder = RunRecorder(proportions="qwen3-30b-a3b" if args.model == "qwen3-moe" else TOY)
-    plans = {**ROUTERS, **dict(p.split("=", 1) for p in args.plan)}
+    recorder = RunRecorder(proportions={"qwen3-moe": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}.get(args.model, TOY))
+    routers = ROUTERS_TOP_K if args.model == "mixtral" else ROUTERS
+    base = next(iter(routers))
+    plans = {**routers, **dict(p.split("=", 1) for p in args.plan)}
     if args.only:
-        plans = {label: plans[label] for label in dict.fromkeys(["switch", *args.only.split(",")])}
+        plans = {label: plans[label] for label in dict.fromkeys([base, *args.only.split(",")])}
     seeds = [int(s) for s in args.seeds.split(",")]
     world = args.nodes * args.ranks_per_node
     sys.path.insert(0, str(Path(__file__).parent))
@@ -194,7 +209,7 @@ def main() -> None:
         if args.json:  # after every router, so a cut run keeps what it measured
             Path(args.json).write_text(json.dumps({"config": config, "results": results, "run": recorder.finish()}, indent=1))
     print()
-    print(table(results, "switch"))
+    print(table(results, base))
 
 
 if __name__ == "__main__":

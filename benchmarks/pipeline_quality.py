@@ -6,9 +6,13 @@ without compression, and with and without lazy error propagation.
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 4 --dp 2 --json benchmarks/pipeline_quality_dp2.json
     .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
         --microbatches 2 --seeds 0,1,2 --json benchmarks/pipeline_quality_peer_model.json   # the model of the peer:pipelining run
+    .venv/bin/python benchmarks/pipeline_quality.py --proportions gpt-2.5b --steps 300 --rank 16 --batch 16 \
+        --microbatches 4 --seeds 0,1,2 --json benchmarks/pipeline_quality_gpt_2_5b_proportions.json
 
 pp=2 on 2 local gloo ranks, gpt-moe with a byte vocabulary (256), hidden 128 (--hidden), 2 layers,
-expert hidden 24 (--expert-hidden), batches of 8 x 64 bytes of pydoc_data.topics (--batch;
+expert hidden 24 (--expert-hidden); --proportions gpt-2.5b: GPT-2.5B's widths scaled as
+`commfx bench --proportions gpt-2.5b` builds it (dense: one expert; hidden 256, MLP 683, 4
+layers), the byte vocabulary kept (the corpus is bytes); batches of 8 x 64 bytes of pydoc_data.topics (--batch;
 consecutive, no repeats), 4 micro-batches (--microbatches),
 1F1B, AdamW lr 3e-3, seed 0 (--seeds 0,1,2: each plan once per seed, model init and codec;
 a plan's loss change is the mean over seeds of its ratio to the uncompressed run of the same
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from commfx.bench.run_record import RunRecorder
+from commfx.bench.run_record import TOY, RunRecorder
 
 PLANS = {
     "uncompressed": "lift,pipeline_split:microbatches={m}",
@@ -58,7 +62,8 @@ def corpus_batches(batch: int, seq: int, steps: int) -> torch.Tensor:
 
 
 def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int, dp: int = 1, batch: int = 8,
-           microbatches: int = 4, expert_hidden: int = 24, seeds: tuple[int, ...] = (0,), only: tuple[str, ...] = ()) -> dict:
+           microbatches: int = 4, expert_hidden: int = 24, seeds: tuple[int, ...] = (0,), only: tuple[str, ...] = (),
+           model_kwargs: dict | None = None) -> dict:
     from commfx.api import distribute
     from commfx.models import build_gpt_moe
     from commfx.plan import Plan
@@ -74,7 +79,8 @@ def worker(rank: int, world_size: int, steps: int, rank_r: int, hidden: int, dp:
     out = {}
     for (label, passes), seed in ((item, seed) for item in chosen_plans(dp, only).items() for seed in seeds):
         torch.manual_seed(seed)
-        model, _ = build_gpt_moe(vocab_size=256, hidden_size=hidden, num_layers=2, max_seq=64, expert_hidden=expert_hidden, seed=seed)
+        shape = {"hidden_size": hidden, "num_layers": 2, "expert_hidden": expert_hidden, **(model_kwargs or {})}
+        model, _ = build_gpt_moe(**shape, vocab_size=256, max_seq=64, seed=seed)
         dm = distribute(model, Plan.from_cli(passes.format(r=rank_r, m=microbatches), world_size=2 * dp, pp=2), (data[0],))
         optimizer = torch.optim.AdamW(dm.parameters(), lr=3e-3)
         losses, backward_bytes, dp_bytes, start = [], 0, 0, time.perf_counter()
@@ -101,6 +107,17 @@ def chosen_plans(dp: int, only: tuple[str, ...]) -> dict[str, str]:
     return {label: passes for label, passes in plans.items() if not only or label == "uncompressed" or label in only}
 
 
+def proportioned_model(args) -> dict | None:
+    """--proportions: the bench's scaled model, its widths and depth in --hidden, --expert-hidden and the kwargs."""
+    if not args.proportions:
+        return None
+    from commfx.bench.proportions import gpt_moe_kwargs, matched_link
+
+    kwargs = gpt_moe_kwargs(matched_link(args.proportions, flops_per_rank=1.0, nodes=2, pp=2).model)
+    args.hidden, args.expert_hidden = kwargs["hidden_size"], kwargs["expert_hidden"]
+    return {k: v for k, v in kwargs.items() if k != "vocab_size"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
@@ -112,15 +129,19 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1, choices=(1, 2), help="2: pp=2 x dp=2 on 4 ranks, selective stage compression")
     parser.add_argument("--seeds", default="0", help="comma-separated: each plan trains once per seed (model init and codec)")
     parser.add_argument("--only", action="append", default=[], help="train this plan (repeatable; the uncompressed one always)")
+    parser.add_argument("--proportions", choices=("gpt-2.5b",), default=None,
+                        help="the model of `commfx bench --proportions gpt-2.5b` (sets --hidden and --expert-hidden), byte vocabulary")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    model_kwargs = proportioned_model(args)
+    recorder = RunRecorder(proportions=args.proportions or TOY)
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    recorder = RunRecorder()
     sys.path.insert(0, str(Path(__file__).parent))
     from commfx.runtime.launcher import launch
 
     kwargs = {"steps": args.steps, "rank_r": args.rank, "hidden": args.hidden, "dp": args.dp, "batch": args.batch,
-              "microbatches": args.microbatches, "expert_hidden": args.expert_hidden, "seeds": seeds, "only": tuple(args.only)}
+              "microbatches": args.microbatches, "expert_hidden": args.expert_hidden, "seeds": seeds, "only": tuple(args.only),
+              "model_kwargs": model_kwargs}
     results = launch("pipeline_quality:worker", 2 * args.dp, kwargs, timeout_s=6 * 3600)
     first_stage, last_stages = results[0], results[args.dp :]  # ranks [0, dp): stage 0
     plans = chosen_plans(args.dp, tuple(args.only))
