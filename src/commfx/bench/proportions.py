@@ -110,18 +110,15 @@ def compute_over_comm(model: RealModel, cluster: ClusterSpec = H100_CLUSTER) -> 
 
 
 @dataclass(frozen=True)
-class PipelineSpec:
+class PipelineSpec(ClusterSpec):
     """The real pipelined run a dense figure is projected to: `stages` pipeline stages, each
     on one node whose `devices_per_node` GPUs split it by tensor parallelism and share the
-    node's link, which the stage's activations cross to the next stage's node."""
+    node's link, which the stage's activations (bf16) cross to the next stage's node."""
 
     name: str = "Optimus-CC's run: tp 8 x pp 4 on 8 x A100 nodes, 200 Gb/s per node, bf16 at 40% of 312 TFLOP/s"
-    stages: int = 4
-    devices_per_node: int = 8
     peak_flops: float = 312e12
-    utilisation: float = 0.4
     node_link_bits: float = 200e9
-    element_bytes: int = 2  # bf16 activations
+    stages: int = 4
 
 
 A100_PIPELINE = PipelineSpec()
