@@ -103,6 +103,17 @@ timeout 1500 "$COMMFX" bench gpt-moe --pp 2 --nodes 2 --ranks-per-node 1 --inter
   --json "$OUT/peers_optimus_cc_pipelining_quiet_100mbit_2x1.json" | tee "$OUT/peers_optimus_cc_pipelining_quiet_100mbit_2x1.txt"
 .venv/bin/python benchmarks/pipeline_quality.py --steps 300 --rank 16 --hidden 256 --expert-hidden 256 --batch 16 \
   --microbatches 2 --seeds 0,1,2 --json "$OUT/pipeline_quality_peer_model.json" | tee "$OUT/pipeline_quality_peer_model.txt"
+# RESULTS.md, Optimus-CC at GPT-2.5B's proportions: dense, hidden 256, 4 layers in 2 stages, 4 micro-batches, the link
+# sized so a stage's compute / its boundary send is that of Optimus-CC's A100 run; then its quality over 3 seeds
+timeout 1500 "$COMMFX" bench gpt-moe --proportions gpt-2.5b --inter-node auto --pp 2 --nodes 2 --ranks-per-node 1 \
+  --passes "lift,pipeline_split:microbatches=4,compress_pipeline" --vs peer:pipelining \
+  --also "uncompressed=lift,pipeline_split:microbatches=4" \
+  --also "rank 16 everywhere=lift,pipeline_split:microbatches=4,compress_pipeline:rank=16;epilogue_only=false" \
+  --steps 8 --warmup 1 --batch 16 --timeout 1400 \
+  --json "$OUT/peers_optimus_cc_gpt_2_5b_proportions_2x1.json" | tee "$OUT/peers_optimus_cc_gpt_2_5b_proportions_2x1.txt"
+.venv/bin/python benchmarks/pipeline_quality.py --proportions gpt-2.5b --steps 300 --rank 16 --batch 16 --microbatches 4 \
+  --seeds 0,1,2 --only "epilogue only, lazy error propagation" --only "compressed, no error feedback" \
+  --json "$OUT/pipeline_quality_gpt_2_5b_proportions.json" | tee "$OUT/pipeline_quality_gpt_2_5b_proportions.txt"
 # RESULTS.md, LocMoE like for like (issue 30): every router top-1, dropless and in capacity mode with LocMoE's floor,
 # one interleaved run at 2 nodes x 1 rank, 100 Mbit/s, and one at 2 x 2, 1 Gbit/s (4 ranks on 2 cores)
 LOCMOE=(--passes lift,locality_gate,expert_parallel --vs "lift,locality_gate:gate=switch;mu=0,expert_parallel"
@@ -127,6 +138,21 @@ for model in gpt-moe qwen3-moe; do
     --plan "grap+locality f0.2=lift,locality_gate:gate=grap;max_remote_fraction=0.2,expert_parallel" "${extra[@]}" \
     --only "$only" --json "$OUT/locmoe_top1_quality_${model//-/_}.json" | tee "$OUT/locmoe_top1_quality_${model//-/_}.txt"
 done
+# RESULTS.md, LocMoE at Mixtral-8x7B's proportions and its own top-2: the locality gate against the model's router
+# without locality and peer:deepspeed_moe, the link sized from this machine's measured rate; then its quality
+for m in mixtral-8x7b qwen3-30b-a3b olmoe-1b-7b; do
+  name=${m//-/_}; [ "$m" = mixtral-8x7b ] && name=mixtral
+  timeout 1500 "$COMMFX" bench gpt-moe --proportions "$m" --inter-node auto --passes lift,locality_gate,expert_parallel \
+    --vs peer:deepspeed_moe --also "no locality=lift,expert_parallel" --also "grap=lift,locality_gate:gate=grap,expert_parallel" \
+    --nodes 2 --ranks-per-node 1 --steps 8 --steps-per-round 2 --timeout 1400 \
+    --json "$OUT/locmoe_${name}_proportions_2x1.json" | tee "$OUT/locmoe_${name}_proportions_2x1.txt"
+done
+.venv/bin/python benchmarks/locmoe.py --model mixtral --seeds 0,1,2 --steps 300 \
+  --json "$OUT/locmoe_quality_mixtral_proportions.json" | tee "$OUT/locmoe_quality_mixtral_proportions.txt"
+.venv/bin/python benchmarks/locmoe.py --model mixtral --seeds 0,1,2 --steps 300 \
+  --plan "model+locality f0.5=lift,locality_gate:max_remote_fraction=0.5,expert_parallel" \
+  --plan "balance only=lift,locality_gate:max_remote_fraction=1.0,expert_parallel" --only "model+locality f0.5,balance only" \
+  --json "$OUT/locmoe_quality_mixtral_f05.json" | tee "$OUT/locmoe_quality_mixtral_f05.txt"
 # RESULTS.md, ZeRO (issue 32): held bytes per rank at stage 3 vs replicated (dp 2 and 4), then each stage and
 # peer:fsdp2 on an MoE and a dense gpt-moe, 2 nodes x 1 rank at 1 Gbit/s
 for N in 2 4; do for P in lift lift,shard_states:stage=3 lift,expert_parallel lift,expert_parallel,shard_states:stage=3; do
