@@ -227,3 +227,28 @@ def test_bench_steps_per_round_times_consecutive_steps_with_deferred_gradients(t
     assert plan["passes"].endswith("defer_grad_sync")
     result["plans"][0]["passes"] = PASSES
     _check_result(result, stdout)
+
+
+def test_progress_without_a_terminal_prints_one_line_per_round(tmp_path):
+    """Piped into a log, `commfx bench` says which round it is on as rank 0 reaches it."""
+    import io
+    import threading
+    import time
+
+    from rich.console import Console
+
+    from commfx.bench.harness import _watch_progress
+
+    out, path, stop = io.StringIO(), tmp_path / "progress", threading.Event()
+    watcher = threading.Thread(target=_watch_progress, args=(path, Console(file=out, width=200), stop))
+    watcher.start()
+    for seen, state in enumerate(("0 3 compiling", "0 3 warm-up", "1 3 measuring", "2 3 measuring", "3 3 done"), start=1):
+        path.write_text(state + "\n")
+        deadline = time.monotonic() + 20
+        while len(out.getvalue().splitlines()) < seen and time.monotonic() < deadline:
+            time.sleep(0.05)  # the watcher polls every 0.5 s: wait for its line before the next state
+    stop.set()
+    watcher.join(5)
+    lines = [line.split(",")[0] for line in out.getvalue().splitlines()]
+    assert lines == ["bench: compiling every plan", "bench: round 1/3 (warm-up)", "bench: round 2/3 (measuring)",
+                     "bench: round 3/3 (measuring)", "bench: done"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,19 +97,37 @@ def calibrate(cluster, link: LinkSpec | None) -> dict:
     return out
 
 
+def _read_progress(path: Path) -> tuple[int, int, str] | None:
+    """Rank 0's last 'done total phase' line, or None before it writes one."""
+    try:
+        done, total, phase = path.read_text().split()
+        return int(done), int(total), phase
+    except (OSError, ValueError):
+        return None
+
+
 def _watch_progress(path: Path, console, stop: threading.Event) -> None:
-    """Draw rank 0's progress (it writes 'done total phase' to `path`) until `stop`."""
+    """Show rank 0's progress until `stop`: a bar on a terminal, else one line per round
+    (a log or a pipe gets them as they come, with the seconds since the ranks started)."""
+    if not console.is_terminal:
+        start, last = time.monotonic(), None
+        while not stop.wait(0.5):
+            state = _read_progress(path)
+            if state is not None and state != last:
+                done, total, phase = last = state
+                what = "compiling every plan" if phase == "compiling" else f"round {done + 1}/{total} ({phase})" if done < total else "done"
+                console.print(f"bench: {what}, {time.monotonic() - start:.0f} s", markup=False, highlight=False)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("starting ranks", total=None)
         while not stop.wait(0.2):
-            try:
-                done, total, phase = path.read_text().split()
-            except (OSError, ValueError):
-                continue
-            progress.update(task, completed=int(done), total=int(total), description=f"rounds ({phase})")
+            state = _read_progress(path)
+            if state is not None:
+                done, total, phase = state
+                progress.update(task, completed=done, total=total, description=f"rounds ({phase})")
 
 
 def launch_ranks(cluster, config: BenchConfig, *, console, timeout_s: float) -> list[dict]:
