@@ -13,7 +13,7 @@ Qwen3-MoE at Qwen3-30B-A3B's proportions scaled to hidden 128 by `bench/proporti
 128 experts, expert width 0.375 x hidden; top_k=1 like every router here). `mixtral`: the
 gpt-moe of `commfx bench --proportions mixtral-8x7b` at Mixtral's own top-2, where the
 routers are the model's top-2 without locality (the base), and GrAP and the model's scores
-with locality. All take a 256-byte vocabulary. Bytes are exact (counted by the comm scheduler), whatever the CPU
+with locality; `qwen3` and `olmoe` likewise at their top-8. All take a 256-byte vocabulary. Bytes are exact (counted by the comm scheduler), whatever the CPU
 load. A seed fixes the model's weights and the byte windows; every router of one seed
 trains the same model on the same windows.
 """
@@ -33,7 +33,8 @@ ROUTERS = {
     "grap+locality": "lift,locality_gate:gate=grap,expert_parallel",
     "model+locality": "lift,locality_gate:gate=model,expert_parallel",
 }
-# At a real model's own top-k (--model mixtral): no top-1 baselines, the model's router is the base
+# The bench's gpt-moe at a --proportions preset and its own top-k: no top-1 baselines, the model's router is the base
+AT_OWN_TOP_K = {"mixtral": "mixtral-8x7b", "qwen3": "qwen3-30b-a3b", "olmoe": "olmoe-1b-7b"}
 ROUTERS_TOP_K = {
     "top-k, no locality": "lift,expert_parallel",
     "grap+locality": "lift,locality_gate:gate=grap,expert_parallel",
@@ -69,11 +70,12 @@ def build_model(name: str, seed: int, batch: int, seq: int):
             num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_hidden_layers=m.layers,
             num_experts=m.experts, moe_intermediate_size=m.expert_hidden, num_experts_per_tok=1,
         )
-    if name == "mixtral":
+    if name in AT_OWN_TOP_K:
         from commfx.bench.proportions import REAL_MODELS, gpt_moe_kwargs, scaled
 
-        return load_model("gpt-moe", seed=seed, batch=batch, seq=seq, **(gpt_moe_kwargs(scaled(REAL_MODELS["mixtral-8x7b"])) | {"vocab_size": 256}))
-    raise ValueError(f"unknown model {name!r}: gpt-moe, qwen3-moe or mixtral")
+        kwargs = gpt_moe_kwargs(scaled(REAL_MODELS[AT_OWN_TOP_K[name]])) | {"vocab_size": 256}
+        return load_model("gpt-moe", seed=seed, batch=batch, seq=seq, **kwargs)
+    raise ValueError(f"unknown model {name!r}: gpt-moe, qwen3-moe, {', '.join(AT_OWN_TOP_K)}")
 
 
 def worker(rank: int, world_size: int, passes: str, model: str, seed: int, steps: int, batch: int, seq: int, ranks_per_node: int) -> list:
@@ -175,7 +177,7 @@ def main() -> None:
     from commfx.runtime.launcher import launch
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="gpt-moe", choices=("gpt-moe", "qwen3-moe", "mixtral"))
+    parser.add_argument("--model", default="gpt-moe", choices=("gpt-moe", "qwen3-moe", *AT_OWN_TOP_K))
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (model weights and byte windows)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
@@ -187,8 +189,8 @@ def main() -> None:
                                                   "top-k, always runs, first)")
     parser.add_argument("--plan", action="append", default=[], metavar="LABEL=PASSES", help="an extra plan (repeatable)")
     args = parser.parse_args()
-    recorder = RunRecorder(proportions={"qwen3-moe": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}.get(args.model, TOY))
-    routers = ROUTERS_TOP_K if args.model == "mixtral" else ROUTERS
+    recorder = RunRecorder(proportions={"qwen3-moe": "qwen3-30b-a3b", **AT_OWN_TOP_K}.get(args.model, TOY))
+    routers = ROUTERS_TOP_K if args.model in AT_OWN_TOP_K else ROUTERS
     base = next(iter(routers))
     plans = {**routers, **dict(p.split("=", 1) for p in args.plan)}
     if args.only:
