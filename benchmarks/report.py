@@ -306,6 +306,7 @@ def reached(ok: bool) -> str:
 LOCMOE_REAL = tuple(f"locmoe_{name}_proportions_2x1.json" for name in ("mixtral", "qwen3_30b_a3b", "olmoe_1b_7b"))
 LOCMOE_REAL_QUALITY = "locmoe_quality_mixtral_proportions.json"
 LOCMOE_REAL_QUALITY_MORE = ("locmoe_quality_mixtral_f05.json",)
+LOCMOE_QWEN3_QUALITY = "locmoe_quality_qwen3_proportions.json"
 OPTIMUS_CC_REAL = "peers_optimus_cc_gpt_2_5b_proportions_2x1.json"
 OPTIMUS_CC_REAL_QUALITY = "pipeline_quality_gpt_2_5b_proportions.json"
 OPTIMUS_CC_TOY = "peers_optimus_cc_pipelining_quiet_100mbit_2x1.json"
@@ -450,14 +451,15 @@ class Report:
                  f"{real[0].peer()}; switch and hash routers (commfx's), same run",
                  "; ".join(run.model() + "; " + run.proportions() for run in (*real, first)),
                  "; ".join(run.link_layout() for run in (*real, first)), "measured", "; ".join(run.load() for run in (*real, first)),
-                 [*(run.name for run in real), LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE, *(r.name for r in runs)])
+                 [*(run.name for run in real), LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE, LOCMOE_QWEN3_QUALITY,
+                  *(r.name for r in runs)])
         return "\n".join(lines)
 
     def locmoe_real(self, lines: list[str]) -> tuple[list["Run"], str]:
         """LocMoE's gate at real models' own top-k: the bench runs against the model's router
         without locality and the peer, and the quality at Mixtral's; appends to `lines`,
         returns the runs and their headline figure."""
-        runs, q = [self.src.bench(name) for name in LOCMOE_REAL], self.src.json(LOCMOE_REAL_QUALITY)
+        runs = [self.src.bench(name) for name in LOCMOE_REAL]
         base = "no locality"
         rows = [[f"`{run.name}`" if i == 0 else "″", f"`{p['passes']}`", run.wall(label), ms(run.median(label, "compute_only")),
                  xr(run.paired(label, base)), xr(run.paired(label, "baseline")),
@@ -481,31 +483,38 @@ class Report:
             figures.append(f"{run.proportions()}, top-{top_k}: ÷ the model's router without locality {xr(run.paired('plan', base))} "
                            f"({verdict.removesuffix(' the claimed range')} the claimed saving), ÷ `peer:deepspeed_moe` "
                            f"{x(run.paired('plan', 'baseline')[0])}")
-        key = "final_loss (mean of last 10% of steps)"
-        first = next(iter(q["results"]))
-        b = q["results"][first]["over_seeds"]
-        # the later files train the same base (same seeds, bit for bit) and add routers
-        results = {label: r for name in (LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE) for label, r in self.src.json(name)["results"].items()}
-        qrows = [[label, f"`{r['passes']}`", x(r["over_seeds"]["a2a_inter_node_bytes_mean"]["mean"] / b["a2a_inter_node_bytes_mean"]["mean"]),
-                  x(r["over_seeds"]["load_max_over_mean"]["mean"]),
-                  f"{r['over_seeds'][key]['mean']:.4f} ± {r['over_seeds'][key]['stdev']:.4f} ({pct(r['over_seeds'][key]['mean'] / b[key]['mean'] - 1)})"]
-                 for label, r in results.items()]
-        cfg = q["config"]
-        lines += ["", f"Quality at Mixtral-8x7B's proportions (`benchmarks/locmoe.py --model {cfg['model']}`, "
-                  + ", ".join(f"`{name}`" for name in (LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE))
-                  + f"; {cfg['steps']} steps, seeds {', '.join(map(str, cfg['seeds']))}, mean ± sd, byte vocabulary; load "
-                  f"{load_cell(q.get('run'))}):", "",
-                  table(["router", "passes", f"a2a across nodes ÷ {first}", "load max/mean", f"final loss (vs {first})"], qrows)]
-        loss = q["results"]["model+locality"]["over_seeds"][key]["mean"] / b[key]["mean"] - 1
-        change = {label: r["over_seeds"][key]["mean"] / b[key]["mean"] - 1 for label, r in results.items()}
-        share = {label: r["over_seeds"]["a2a_inter_node_bytes_mean"]["mean"] / b["a2a_inter_node_bytes_mean"]["mean"] for label, r in results.items()}
+        change, share = self.locmoe_quality(lines, "Mixtral-8x7B", (LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE))
         lines += ["", f"- The locality gate's defaults (model scores, at most 30% of a rank's tokens off its node at top-2, balance "
                   f"1.2) cost {pct(change['model+locality'])} final loss at these proportions, for {x(share['model+locality'])}× "
                   f"the bytes across nodes; half the tokens allowed off their node, {pct(change['model+locality f0.5'])} at "
                   f"{x(share['model+locality f0.5'])}×; the balance cap with no locality limit, {pct(change['balance only'])} at "
                   f"{x(share['balance only'])}×. The loss is what keeping tokens on their node costs: an off-node cap trades "
                   "quality for bytes, and the default is the byte-saving end of it."]
-        return runs, "locality gate at " + "; ".join(figures) + f" (paired; loss at Mixtral's {pct(loss)})"
+        top8, top8_share = self.locmoe_quality(lines, "Qwen3-30B-A3B", (LOCMOE_QWEN3_QUALITY,))
+        return runs, ("locality gate at " + "; ".join(figures) + f" (paired; loss {pct(change['model+locality'])} at Mixtral's, "
+                      f"{pct(top8['model+locality'])} at Qwen3's)")
+
+    def locmoe_quality(self, lines: list[str], model: str, names: tuple[str, ...]) -> tuple[dict, dict]:
+        """The quality table of `benchmarks/locmoe.py` runs at a preset's own top-k (the later
+        files train the same base, same seeds, bit for bit, and add routers); appends it to
+        `lines`, returns each router's final-loss change and share of bytes across nodes."""
+        key = "final_loss (mean of last 10% of steps)"
+        q = self.src.json(names[0])
+        first = next(iter(q["results"]))
+        b = q["results"][first]["over_seeds"]
+        results = {label: r for name in names for label, r in self.src.json(name)["results"].items()}
+        change = {label: r["over_seeds"][key]["mean"] / b[key]["mean"] - 1 for label, r in results.items()}
+        share = {label: r["over_seeds"]["a2a_inter_node_bytes_mean"]["mean"] / b["a2a_inter_node_bytes_mean"]["mean"] for label, r in results.items()}
+        rows = [[label, f"`{r['passes']}`", x(share[label]), x(r["over_seeds"]["load_max_over_mean"]["mean"]),
+                 f"{r['over_seeds'][key]['mean']:.4f} ± {r['over_seeds'][key]['stdev']:.4f} ({pct(change[label])})"]
+                for label, r in results.items()]
+        cfg = q["config"]
+        lines += ["", f"Quality at {model}'s proportions (`benchmarks/locmoe.py --model {cfg['model']}`, "
+                  + ", ".join(f"`{name}`" for name in names)
+                  + f"; {cfg['steps']} steps, seeds {', '.join(map(str, cfg['seeds']))}, mean ± sd, byte vocabulary; load "
+                  f"{load_cell(q.get('run'))}):", "",
+                  table(["router", "passes", f"a2a across nodes ÷ {first}", "load max/mean", f"final loss (vs {first})"], rows)]
+        return change, share
 
     def embrace(self) -> str:
         claim = self.claims["embrace"]

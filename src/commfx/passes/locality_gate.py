@@ -24,8 +24,10 @@ first step:
   like-for-like top-1 table (benchmarks/RESULTS.md, LocMoE): on gpt-moe at 2 x 1 it gives 0.39x
   a switch router's inter-node all-to-all bytes, a step 0.58x switch's and hash's, load
   max/mean 1.19 and final loss +0.3% over 3 seeds; 30% gave 0.59x the bytes;
-- top-2 and up: 30%, as measured against plain top-2 (0.41x inter-node bytes, load max/mean
-  1.22, final loss +0.9%; benchmarks/log/notebook-2026-11.md).
+- top-2 and up: 30%, as measured against plain top-2 on the toy gpt-moe (0.41x inter-node
+  bytes, load max/mean 1.22, final loss +0.9%; benchmarks/log/notebook-2026-11.md). At real
+  proportions it costs more loss: +3.5% at Mixtral's top-2 (+2.1% at 50%), +6.1% at Qwen3's
+  top-8 (benchmarks/RESULTS.md, LocMoE), for 0.35x and 0.27x the bytes across nodes.
 Lossy: it changes which experts run.
 """
 
