@@ -71,6 +71,8 @@ def test_the_pipeline_matched_link_gives_one_stage_the_real_ratio():
         (["bench", "gpt-moe", "--proportions", "gpt-2.5b", "--inter-node", "100mbit"], "add --pp 2"),
         (["bench", "gpt-moe", "--proportions", "gpt-2.5b", "--pp", "2", "--nodes", "1", "--ranks-per-node", "2", "--inter-node", "auto",
           "--flops-per-rank", "1e10"], "needs at least 2 nodes"),
+        (["bench", "gpt-moe", "--proportions", "gpt-2.5b", "--pp", "2", "--nodes", "3", "--inter-node", "auto", "--flops-per-rank", "1e10"],
+         "give --nodes 2 --ranks-per-node 1 for --pp 2"),
         (["bench", "gpt-moe", "--inter-node", "auto", "--flops-per-rank", "2e10"], "add --proportions NAME"),
         (["bench", "gpt-moe-tiny", "--proportions", "mixtral-8x7b"], "scales the built-in gpt-moe"),
         (["bench", "gpt-moe", "--proportions", "gpt-5", "--inter-node", "100mbit"], "no such model; known: mixtral-8x7b"),
