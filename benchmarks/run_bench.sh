@@ -155,6 +155,10 @@ done
   --json "$OUT/locmoe_quality_mixtral_f05.json" | tee "$OUT/locmoe_quality_mixtral_f05.txt"
 .venv/bin/python benchmarks/locmoe.py --model qwen3 --seeds 0,1,2 --steps 300 \
   --json "$OUT/locmoe_quality_qwen3_proportions.json" | tee "$OUT/locmoe_quality_qwen3_proportions.txt"
+.venv/bin/python benchmarks/locmoe.py --model qwen3 --seeds 0,1,2 --steps 300 \
+  --plan "model+locality f0.5=lift,locality_gate:max_remote_fraction=0.5,expert_parallel" \
+  --plan "balance only=lift,locality_gate:max_remote_fraction=1.0,expert_parallel" --only "model+locality f0.5,balance only" \
+  --json "$OUT/locmoe_quality_qwen3_f05.json" | tee "$OUT/locmoe_quality_qwen3_f05.txt"
 # RESULTS.md, ZeRO (issue 32): held bytes per rank at stage 3 vs replicated (dp 2 and 4), then each stage and
 # peer:fsdp2 on an MoE and a dense gpt-moe, 2 nodes x 1 rank at 1 Gbit/s
 for N in 2 4; do for P in lift lift,shard_states:stage=3 lift,expert_parallel lift,expert_parallel,shard_states:stage=3; do
