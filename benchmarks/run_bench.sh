@@ -139,7 +139,7 @@ for model in gpt-moe qwen3-moe; do
     --only "$only" --json "$OUT/locmoe_top1_quality_${model//-/_}.json" | tee "$OUT/locmoe_top1_quality_${model//-/_}.txt"
 done
 # RESULTS.md, LocMoE at Mixtral-8x7B's proportions and its own top-2: the locality gate against the model's router
-# without locality and peer:deepspeed_moe, the link sized from this machine's measured rate; then its quality
+# without locality and peer:deepspeed_moe, the link sized from this machine's measured rate (also Qwen3's and OLMoE's top-8)
 for m in mixtral-8x7b qwen3-30b-a3b olmoe-1b-7b; do
   name=${m//-/_}; [ "$m" = mixtral-8x7b ] && name=mixtral
   timeout 1500 "$COMMFX" bench gpt-moe --proportions "$m" --inter-node auto --passes lift,locality_gate,expert_parallel \
@@ -147,18 +147,15 @@ for m in mixtral-8x7b qwen3-30b-a3b olmoe-1b-7b; do
     --nodes 2 --ranks-per-node 1 --steps 8 --steps-per-round 2 --timeout 1400 \
     --json "$OUT/locmoe_${name}_proportions_2x1.json" | tee "$OUT/locmoe_${name}_proportions_2x1.txt"
 done
-.venv/bin/python benchmarks/locmoe.py --model mixtral --seeds 0,1,2 --steps 300 \
-  --json "$OUT/locmoe_quality_mixtral_proportions.json" | tee "$OUT/locmoe_quality_mixtral_proportions.txt"
-.venv/bin/python benchmarks/locmoe.py --model mixtral --seeds 0,1,2 --steps 300 \
-  --plan "model+locality f0.5=lift,locality_gate:max_remote_fraction=0.5,expert_parallel" \
-  --plan "balance only=lift,locality_gate:max_remote_fraction=1.0,expert_parallel" --only "model+locality f0.5,balance only" \
-  --json "$OUT/locmoe_quality_mixtral_f05.json" | tee "$OUT/locmoe_quality_mixtral_f05.txt"
-.venv/bin/python benchmarks/locmoe.py --model qwen3 --seeds 0,1,2 --steps 300 \
-  --json "$OUT/locmoe_quality_qwen3_proportions.json" | tee "$OUT/locmoe_quality_qwen3_proportions.txt"
-.venv/bin/python benchmarks/locmoe.py --model qwen3 --seeds 0,1,2 --steps 300 \
-  --plan "model+locality f0.5=lift,locality_gate:max_remote_fraction=0.5,expert_parallel" \
-  --plan "balance only=lift,locality_gate:max_remote_fraction=1.0,expert_parallel" --only "model+locality f0.5,balance only" \
-  --json "$OUT/locmoe_quality_qwen3_f05.json" | tee "$OUT/locmoe_quality_qwen3_f05.txt"
+# its quality at Mixtral's top-2 and Qwen3's top-8: the defaults, then half the tokens off their node and the balance cap alone
+for model in mixtral qwen3; do
+  .venv/bin/python benchmarks/locmoe.py --model "$model" --seeds 0,1,2 --steps 300 \
+    --json "$OUT/locmoe_quality_${model}_proportions.json" | tee "$OUT/locmoe_quality_${model}_proportions.txt"
+  .venv/bin/python benchmarks/locmoe.py --model "$model" --seeds 0,1,2 --steps 300 \
+    --plan "model+locality f0.5=lift,locality_gate:max_remote_fraction=0.5,expert_parallel" \
+    --plan "balance only=lift,locality_gate:max_remote_fraction=1.0,expert_parallel" --only "model+locality f0.5,balance only" \
+    --json "$OUT/locmoe_quality_${model}_f05.json" | tee "$OUT/locmoe_quality_${model}_f05.txt"
+done
 # RESULTS.md, ZeRO (issue 32): held bytes per rank at stage 3 vs replicated (dp 2 and 4), then each stage and
 # peer:fsdp2 on an MoE and a dense gpt-moe, 2 nodes x 1 rank at 1 Gbit/s
 for N in 2 4; do for P in lift lift,shard_states:stage=3 lift,expert_parallel lift,expert_parallel,shard_states:stage=3; do
