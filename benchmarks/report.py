@@ -297,6 +297,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def saving_verdict(saving: float, claim: dict) -> str:
+    """Where a step saving falls against a claimed range (`saving_low`–`saving_high`)."""
+    if saving > claim["saving_high"]:
+        return "above the claimed range"
+    return "within the claimed range" if saving >= claim["saving_low"] else "below the claimed range"
+
+
 def reached(ok: bool) -> str:
     return "**reached**" if ok else "**not reached**"
 
@@ -304,8 +311,7 @@ def reached(ok: bool) -> str:
 # ---- sections --------------------------------------------------------------------------
 
 LOCMOE_REAL = tuple(f"locmoe_{name}_proportions_2x1.json" for name in ("mixtral", "qwen3_30b_a3b", "olmoe_1b_7b"))
-LOCMOE_REAL_QUALITY = "locmoe_quality_mixtral_proportions.json"
-LOCMOE_REAL_QUALITY_MORE = ("locmoe_quality_mixtral_f05.json",)
+LOCMOE_MIXTRAL_QUALITY = ("locmoe_quality_mixtral_proportions.json", "locmoe_quality_mixtral_f05.json")
 LOCMOE_QWEN3_QUALITY = ("locmoe_quality_qwen3_proportions.json", "locmoe_quality_qwen3_f05.json")
 OPTIMUS_CC_REAL = "peers_optimus_cc_gpt_2_5b_proportions_2x1.json"
 OPTIMUS_CC_REAL_QUALITY = "pipeline_quality_gpt_2_5b_proportions.json"
@@ -407,8 +413,7 @@ class Report:
         verdicts = []
         for run in runs:
             save_switch, save_hash = 1 - run.paired("plan", "baseline")[0], 1 - run.paired("plan", "hash")[0]
-            verdict = ("above the claimed range" if min(save_switch, save_hash) > claim["saving_high"] else
-                       "within the claimed range" if min(save_switch, save_hash) >= claim["saving_low"] else "below the claimed range")
+            verdict = saving_verdict(min(save_switch, save_hash), claim)
             verdicts.append(f"{verdict.removesuffix(' the claimed range')} it at {run.d['nodes']} × {run.d['ranks_per_node']}")
             how = (f"save {pct(save_switch, False)} of switch's step and {pct(save_hash, False)} of hash's" if min(save_switch, save_hash) > 0
                    else f"take {x(1 - save_switch)}× switch's step and {x(1 - save_hash)}× hash's: no saving")
@@ -451,7 +456,7 @@ class Report:
                  f"{real[0].peer()}; switch and hash routers (commfx's), same run",
                  "; ".join(run.model() + "; " + run.proportions() for run in (*real, first)),
                  "; ".join(run.link_layout() for run in (*real, first)), "measured", "; ".join(run.load() for run in (*real, first)),
-                 [*(run.name for run in real), LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE, *LOCMOE_QWEN3_QUALITY,
+                 [*(run.name for run in real), *LOCMOE_MIXTRAL_QUALITY, *LOCMOE_QWEN3_QUALITY,
                   *(r.name for r in runs)])
         return "\n".join(lines)
 
@@ -473,8 +478,7 @@ class Report:
         figures = []
         for run in runs:
             saving = 1 - run.paired("plan", base)[0]
-            verdict = ("above the claimed range" if saving > claim["saving_high"] else
-                       "within the claimed range" if saving >= claim["saving_low"] else "below the claimed range")
+            verdict = saving_verdict(saving, claim)
             top_k = run.d["model_kwargs"].get("top_k", "?")
             lines.append(f"- `{run.name}`: {run.model()}; {run.link_layout()}; proportions {run.proportions()}; {link_sizing(run)}; load "
                          f"{run.load()}. The defaults save {pct(saving, False)} of the step of the model's own top-{top_k} router "
@@ -483,7 +487,7 @@ class Report:
             figures.append(f"{run.proportions()}, top-{top_k}: ÷ the model's router without locality {xr(run.paired('plan', base))} "
                            f"({verdict.removesuffix(' the claimed range')} the claimed saving), ÷ `peer:deepspeed_moe` "
                            f"{x(run.paired('plan', 'baseline')[0])}")
-        change, share = self.locmoe_quality(lines, "Mixtral-8x7B", (LOCMOE_REAL_QUALITY, *LOCMOE_REAL_QUALITY_MORE))
+        change, share = self.locmoe_quality(lines, "Mixtral-8x7B", LOCMOE_MIXTRAL_QUALITY)
         lines += ["", f"- The locality gate's defaults (model scores, at most 30% of a rank's tokens off its node at top-2, balance "
                   f"1.2) cost {pct(change['model+locality'])} final loss at these proportions, for {x(share['model+locality'])}× "
                   f"the bytes across nodes; half the tokens allowed off their node, {pct(change['model+locality f0.5'])} at "
