@@ -75,16 +75,20 @@ def train_packed(rank: int, world_size: int, passes: str, steps: int, checkpoint
         slot_of={k: v.slot_of.tolist() for k, v in dm.placements.layers.items()},
         moved=[[d.moved for d in decisions] for decisions in dm.placement_log],
         colocated=[[(d.colocated_before, d.colocated_after) for d in decisions] for decisions in dm.placement_log],
+        declined=[[(d.declined, d.payback_steps) for d in decisions] for decisions in dm.placement_log],
     )
     return result
 
 
 def replacement_equivalence(rank: int, world_size: int, steps: int = 5) -> dict:
-    """One run that never re-places and one that re-places every 2 steps, checkpointed after
-    step 3 and resumed into a fresh module (both in this process: one launch)."""
+    """One run that never re-places, one that re-places every 2 steps whatever a move costs,
+    checkpointed after step 3 and resumed into a fresh module, and one whose moves must
+    repay themselves at once (payback=0: it declines them); all in this process, one launch."""
     never = train_packed(rank, world_size, "lift,expert_parallel,pack_experts", steps)
-    moved = train_packed(rank, world_size, "lift,expert_parallel,pack_experts:replace_every=2;balance=0.5", steps, checkpoint_after=3)
-    return {"never": never, "moved": moved}
+    moved = train_packed(rank, world_size, "lift,expert_parallel,pack_experts:replace_every=2;balance=0.5;payback=inf", steps,
+                         checkpoint_after=3)
+    declined = train_packed(rank, world_size, "lift,expert_parallel,pack_experts:replace_every=2;balance=0.5;payback=0", steps)
+    return {"never": never, "moved": moved, "declined": declined}
 
 
 def replacement_with_deferred_sync(rank: int, world_size: int, steps: int = 4) -> dict:

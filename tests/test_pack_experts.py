@@ -194,6 +194,7 @@ def test_packing_sends_fewer_rows_than_plain_expert_parallel():
         ),
         ("lift,expert_parallel,pack_experts:replace_every=-1", "replace_every must be >= 0"),
         ("lift,expert_parallel,pack_experts:balance=-0.5", "balance must be >= 0"),
+        ("lift,expert_parallel,pack_experts:payback=-1", "payback must be >= 0 (steps within which a move's saved all-to-all bytes"),
         ("lift,expert_parallel,pack_experts:degree=0", "degree must be >= 1 (experts per device), got 0"),
         ("lift,expert_parallel,pack_experts:degree=many", "degree must be an integer >= 1 (experts per device) or 'auto'"),
     ],
@@ -228,6 +229,13 @@ def test_a_run_that_re_places_experts_equals_one_that_never_did_and_resumes_from
         assert moved["resumed_losses"] == moved["losses"]
         for name, weight in moved["experts"].items():
             assert torch.equal(weight, moved["resumed_experts"][name]), name
+        # payback=0: the same better placements are found, declined (their moves cost bytes), nothing moves.
+        declined = rank["declined"]
+        first = [(count > 0, repay) for count, (_, repay) in zip(moved["moved"][0], moved["declined"][0])]
+        assert declined["declined"][0] == first, (declined["declined"], moved["declined"])
+        assert all(repay > 0 for was_declined, repay in first if was_declined) and sum(map(sum, declined["moved"])) == 0
+        assert all(s == sorted(s) for s in declined["slot_of"].values())
+        assert max(abs(a - b) for a, b in zip(never["losses"], declined["losses"])) <= 1e-10
 
 
 def test_replacement_under_deferred_sync_leaves_other_gradients_on_the_wire():

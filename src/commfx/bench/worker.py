@@ -208,6 +208,7 @@ class _PlanRunner(_Runner):
         which are this rank's), from the module's log."""
         return [f"after step {d.step}: {d.op_id} moved {d.moved} experts ({d.sent_bytes} B sent by this rank), co-located "
                 f"selections {d.colocated_before:.0f} -> {d.colocated_after:.0f}, max load {d.max_load:.0f} (bound {d.bound:.0f})"
+                + (f"; a better placement declined: it would repay its move in {d.payback_steps:.0f} steps" if d.declined else "")
                 for decisions in getattr(self.dm, "placement_log", []) for d in decisions]
 
     def compute_only(self) -> tuple[float, float]:

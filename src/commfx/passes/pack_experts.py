@@ -58,6 +58,9 @@ class PackExperts(Pass):
     class Options:
         replace_every: int = 0  # re-place experts by affinity every N optimizer steps (0: never)
         balance: float = 0.1  # load bound of a placement: max rows per rank <= (1 + balance) * mean
+        # move experts only when the all-to-all bytes the new placement saves a step repay the
+        # bytes the move sends (weights and optimizer state) within this many steps (inf: always)
+        payback: float = 32.0
         # experts per device: an integer (must be E / ep: set --ep), or auto (the cost model's
         # recommendation is reported by `commfx dump`; the topology's ep is kept)
         degree: str = "auto"
@@ -70,6 +73,11 @@ class PackExperts(Pass):
             _check_degree(plan, options.degree, model)
         if options.balance < 0:
             raise PlanError(f"pack_experts balance must be >= 0 (max rows per rank <= (1 + balance) * mean), got {options.balance}")
+        if not options.payback >= 0:
+            raise PlanError(
+                f"pack_experts payback must be >= 0 (steps within which a move's saved all-to-all bytes repay its own; "
+                f"inf: move whenever the placement improves), got {options.payback}"
+            )
 
     def run(self, program: Program, options: Options, plan: Plan) -> bool:
         blocks = program.regions.moe_blocks
@@ -89,9 +97,22 @@ class PackExperts(Pass):
                 "weights": [block.gate_up, block.down],
                 "replace_every": options.replace_every,
                 "balance": options.balance,
+                "payback": options.payback,
+                "row_bytes": _row_round_trip_bytes(program, block),
             }
         rw.finish()
         return True
+
+
+def _row_round_trip_bytes(program: Program, block: MoEBlock) -> int:
+    """Bytes one (token, rank) row costs a step: its dispatch and combine rows, each way in
+    forward and again as gradients in backward, at the experts' width and dtype (fp8
+    dispatch rows at one byte an element). What a co-located selection saves, for the
+    re-placement's payback."""
+    down = program.gm.get_parameter(block.down)  # [experts, hidden, expert hidden]
+    hidden, element = down.shape[1], down.element_size()
+    dispatch_element = 1 if block.dispatch_codec == "fp8" else element
+    return int(2 * hidden * (dispatch_element + element))
 
 
 def _check_degree(plan: Plan, degree: str, model) -> None:

@@ -8,12 +8,16 @@ steps (`pack_experts:replace_every=N`) the runtime all-reduces the statistics, e
 runs the same deterministic solver (`placement.solve_slots`) on the same numbers, and
 experts whose rank changes are moved, weights and optimizer state together, point to point
 from their old rank to their new one (nothing else is sent), so training goes on exactly
-as if nothing had moved. Placement and statistics are saved with the
-module's state_dict.
+as if nothing had moved. A better placement is adopted only where it pays: the
+all-to-all bytes it saves a step (each more co-located selection is one row less each way,
+forward and backward) must repay the bytes its move sends within `pack_experts:payback`
+steps, unless it brings an over-loaded rank back under the balance bound. Placement and
+statistics are saved with the module's state_dict.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -35,6 +39,9 @@ class ExpertPlacement:
     stats: RoutingStats = None  # type: ignore[assignment]
     weights: list[str] = field(default_factory=list)  # parameter targets sharded by slot (dim 0)
     replacements: int = 0
+    payback: float = math.inf  # steps within which a move must repay its bytes (pack_experts:payback)
+    row_bytes: int = 0  # what one (token, rank) row costs a step on the wire, both ways, forward and backward
+    window_start: int = 0  # the optimizer step the statistics were last reset at
 
     def __post_init__(self):
         if self.slot_of is None:
@@ -46,11 +53,13 @@ class ExpertPlacement:
         self.stats.observe(indices, previous)
 
     def state(self) -> dict:
-        return {"ranks": self.ranks, "slot_of": self.slot_of.tolist(), "replacements": self.replacements, "stats": self.stats.state_dict()}
+        return {"ranks": self.ranks, "slot_of": self.slot_of.tolist(), "replacements": self.replacements, "stats": self.stats.state_dict(),
+                "window_start": self.window_start}
 
     def load_state(self, state: dict) -> None:
         self.slot_of = torch.tensor(state["slot_of"], dtype=torch.int64)
         self.replacements = int(state["replacements"])
+        self.window_start = int(state.get("window_start", 0))
         self.stats = RoutingStats(self.num_experts)
         self.stats.load_state_dict(state["stats"])
 
@@ -109,6 +118,20 @@ class Decision:
     bound: float
     sent_bytes: int = 0  # what this rank sent of this layer's moved experts (weights and optimizer state)
     step: int = -1  # the optimizer step it followed (-1: not given)
+    payback_steps: float = 0.0  # steps the better placement would take to repay its move (0: nothing to move)
+    declined: bool = False  # a better placement was found but did not pay back within pack_experts:payback
+
+
+def payback_steps(colocated_gain: float, window_steps: int, row_bytes: int, move_bytes: int) -> float:
+    """Steps until a re-placement's all-to-all savings repay the bytes its move sends.
+
+    `colocated_gain` more co-located selections over a statistics window of `window_steps`
+    steps (summed over ranks) save that many rows a step at `row_bytes` each; the move sends
+    `move_bytes` (every moved expert's weights and optimizer state) once."""
+    if move_bytes <= 0:
+        return 0.0
+    saved_per_step = colocated_gain / max(window_steps, 1) * row_bytes
+    return move_bytes / saved_per_step if saved_per_step > 0 else math.inf
 
 
 def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, balance: float,
@@ -118,8 +141,9 @@ def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, 
     Collective: every rank calls it at the same point (after the same optimizer step), in
     op-id order. Only experts whose rank changes travel, with every optimizer state tensor
     shaped like their weights (Adam's moments, momentum), point to point from the old owner
-    to the new one over the expert-parallel group (`move_experts`); statistics restart from
-    zero.
+    to the new one over the expert-parallel group (`move_experts`); a layer whose better
+    placement does not pay back within its `payback` steps (and restores no balance) stays
+    as it is (`_adopt`). Statistics restart from zero either way.
     """
     decisions, moves = [], []
     rank = scheduler.group("ep").rank
@@ -132,20 +156,36 @@ def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, 
         summed.load, summed.co_selected = both[:experts].clone(), both[experts:].view(experts, experts).clone()
         solution = solve_slots(summed, layer.ranks, layer.slot_of, balance)
         current = slot_ranks(layer.slot_of, layer.ranks)
-        before = Placement(tuple(int(r) for r in current), layer.ranks).colocated(summed.co_selected)
+        placed = Placement(tuple(int(r) for r in current), layer.ranks)
+        before = placed.colocated(summed.co_selected)
         moved = int((slot_ranks(solution.slot_of, layer.ranks) != current).sum())
-        plan = plan_move(layer.slot_of, solution.slot_of, layer.ranks, rank)
+        tensors = _moving_tensors(layer, module, optimizer)
+        window = step - layer.window_start if step > layer.window_start else 1
+        repay = payback_steps(solution.colocated - before, window, layer.row_bytes, moved * sum(_row_bytes(t) for t in tensors))
+        adopt = _adopt(repay, layer.payback, max(placed.loads(summed.load)), solution)
+        slot_of = solution.slot_of if adopt else layer.slot_of
+        plan = plan_move(layer.slot_of, slot_of, layer.ranks, rank)
         if not plan.unchanged:
             moves.append((layer, plan))
-        if moved:
+        if moved and adopt:
             layer.replacements += 1
-        sent = sum(_row_bytes(t) * len(rows) for t in _moving_tensors(layer, module, optimizer) for rows in plan.send.values())
-        layer.slot_of = solution.slot_of
+        sent = sum(_row_bytes(t) * len(rows) for t in tensors for rows in plan.send.values())
+        layer.slot_of = slot_of
         layer.stats = RoutingStats(layer.num_experts)
-        decisions.append(Decision(op_id, moved, before, solution.colocated, solution.max_load, solution.bound, sent, step))
+        layer.window_start = max(step, 0)
+        after = solution.colocated if adopt else before
+        decisions.append(Decision(op_id, moved if adopt else 0, before, after, solution.max_load if adopt else max(placed.loads(summed.load)),
+                                  solution.bound, sent, step, repay, declined=bool(moved) and not adopt))
     if moves:
         move_experts(moves, scheduler, module, optimizer)
     return decisions
+
+
+def _adopt(repay: float, payback: float, current_max_load: float, solution) -> bool:
+    """Take the solver's placement if it repays its move within `payback` steps, or if it
+    lowers the load of a rank now over the balance bound (balance is compute, not bytes)."""
+    rebalances = current_max_load > solution.bound + 1e-9 and solution.max_load < current_max_load - 1e-9
+    return repay <= payback or rebalances
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ set, each with its own lowerings and gradient sync over the very same Parameter 
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -126,7 +127,8 @@ class DistributedModule(torch.nn.Module):
         self.packing = program.runtime.expert_placement
         self.placements = placements_of(scheduler)
         for op_id, spec in self.packing.items():
-            self.placements.get(op_id, spec["num_experts"], spec["ranks"]).weights = list(spec["weights"])
+            layer = self.placements.get(op_id, spec["num_experts"], spec["ranks"])
+            layer.weights, layer.payback, layer.row_bytes = list(spec["weights"]), spec.get("payback", math.inf), spec.get("row_bytes", 0)
         self.optimizer_steps = 0
         self.placement_log: list[list[Decision]] = []
         # (phase, the compiler's region report or None) per graph lowered so far (Plan.compute)
