@@ -162,7 +162,8 @@ def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, 
         tensors = _moving_tensors(layer, module, optimizer)
         window = step - layer.window_start if step > layer.window_start else 1
         repay = payback_steps(solution.colocated - before, window, layer.row_bytes, moved * sum(_row_bytes(t) for t in tensors))
-        adopt = _adopt(repay, layer.payback, max(placed.loads(summed.load)), solution)
+        current_max_load = max(placed.loads(summed.load))
+        adopt = _adopt(repay, layer.payback, current_max_load, solution)
         slot_of = solution.slot_of if adopt else layer.slot_of
         plan = plan_move(layer.slot_of, slot_of, layer.ranks, rank)
         if not plan.unchanged:
@@ -174,7 +175,7 @@ def replace_experts(placements: Placements, scheduler, module: torch.nn.Module, 
         layer.stats = RoutingStats(layer.num_experts)
         layer.window_start = max(step, 0)
         after = solution.colocated if adopt else before
-        decisions.append(Decision(op_id, moved if adopt else 0, before, after, solution.max_load if adopt else max(placed.loads(summed.load)),
+        decisions.append(Decision(op_id, moved if adopt else 0, before, after, solution.max_load if adopt else current_max_load,
                                   solution.bound, sent, step, repay, declined=bool(moved) and not adopt))
     if moves:
         move_experts(moves, scheduler, module, optimizer)
