@@ -247,6 +247,28 @@ def test_a_shared_failure_prints_on_the_rank_that_failed():
     assert not print_once(KeyError("a defect"), 0, io.StringIO())
 
 
+def test_a_pointing_rank_waits_for_the_printing_rank_bounded():
+    """torchrun stops every rank once one exits: the rank that only points waits until the
+    printing rank has printed (recorded in the store), and gives up after its bound."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from commfx.runtime.rank_errors import hand_over
+
+    store = dist.HashStore()
+    start = time.monotonic()
+    hand_over(rank=0, first=1, store=store, wait_s=0.3)
+    assert time.monotonic() - start >= 0.25  # nobody printed: it waited its bound, then went on
+    printer = threading.Timer(0.2, hand_over, kwargs=dict(rank=1, first=1, store=store))
+    start = time.monotonic()
+    printer.start()
+    hand_over(rank=0, first=1, store=store, wait_s=30)
+    assert 0.15 <= time.monotonic() - start < 10
+    printer.join()
+
+
 GRAPH_BREAK_SCRIPT = '''\
 import torch, torch.distributed as dist, commfx
 from commfx.models import load_model
