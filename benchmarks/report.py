@@ -123,6 +123,16 @@ class Run:
     def median(self, label: str, kind: str = "wall") -> float:
         return statistics.median(self.samples(label, kind))
 
+    def balance_bound(self, healthy: str, factor: float) -> float:
+        """The least step ÷ the healthy step that any split of the tensor-parallel work can reach
+        when one of the ranks computes `factor` times slower: the healthy ranks' compute c,
+        re-split in proportion to speed over n ranks, takes n c / (n - 1 + 1/factor); the rest
+        of the healthy step (communication) is kept. Work every rank repeats cannot be re-split,
+        so the true bound is higher."""
+        computes = self.plans[healthy]["rank_compute_only_median_s"]
+        n, compute, step = len(computes), max(computes), self.median(healthy)
+        return (step - compute + n * compute / (n - 1 + 1 / factor)) / step
+
     def wall(self, label: str) -> str:
         median, p25, p75 = spread(self.samples(label))
         return f"{ms(median)} ({ms(p25)}–{ms(p75)})"
@@ -649,23 +659,38 @@ class Report:
         semi_q = next(r for name, r in quality.items() if name.startswith("SEMI"))
         load = load_cell(st["run"]) if st.get("run") else load_cell(None, st["load_before"], st["load_after"], bench.d["machine"]["cpus"])
         over_healthy = run.paired("plan", "healthy-tp")
+        bound = bench.balance_bound("baseline", bench.d["straggler"]["factor"])
+        peer_bound = run.balance_bound("healthy-tp", run.d["straggler"]["factor"])
+        target = claim["target_over_healthy"]
+
+        fast, slow = run.plans["plan"]["rank_compute_only_median_s"][:2]
+        share_note = (" The CPU quota slows the rank's communication threads too." if run.d["straggler"]["method"] == "cgroup" else "")
+        share_note += (f" The slow rank's compute took {x(slow / fast)}× the fast rank's, where a split in proportion to speed "
+                       f"takes 1×: " + ("SEMI's resizing did not move enough work here." if slow / fast > 1.2 else "SEMI balanced it."))
+
+        def against_bound(b: float) -> str:
+            return (f"balance bound {x(b)}×: the healthy step's communication plus its compute re-split in proportion to "
+                    f"the ranks' speeds" + (f"; the target of {target}× lies below it" if target < b else ""))
         peer_note = (f"The peer ran with the same straggler ({straggler}), in the same rounds" if peer_slowed else
                      "The peer ran **without** the straggler, so the first ratio compares a slowed plan with a healthy peer")
         lines = [table(["plan", "straggler", "wall ms (p25–p75)", "÷ `peer:dtensor_tp` (paired)", "÷ commfx tp, healthy (paired)"]
                        + (["÷ `peer:dtensor_tp`, healthy (paired)"] if healthy_peer else []), rows), "",
                  f"- `{run.name}`: {run.model()}; {run.link_layout()}; load {run.load()}. {peer_note}. SEMI's decisions: {kinds['resize']} resize, "
                  f"{kinds['migrate']} migrate. Against commfx's own healthy tp it is {x(over_healthy[0])}× (target ≤ "
-                 f"{claim['target_over_healthy']}×: {'met' if over_healthy[0] <= claim['target_over_healthy'] else 'not met'}).", "",
+                 f"{claim['target_over_healthy']}×: {'met' if over_healthy[0] <= claim['target_over_healthy'] else 'not met'}; "
+                 f"{against_bound(peer_bound)}).{share_note}", "",
                  f"`straggler_tp.json` (`benchmarks/straggler_tp.py`, {describe_model(bench.d['model'], {})}, {bench.link_layout()}, "
                  f"load {load}):", "",
                  table(["plan", "passes", "wall ms (p25–p75)", "÷ no straggler, paired (p25–p75)", "÷ no straggler, medians"], srows), "",
                  f"- SEMI ÷ the healthy step {x(semi_over[0])} paired (target ≤ {claim['target_over_healthy']}×: "
-                 f"{'met' if semi_over[0] <= claim['target_over_healthy'] else 'not met'}); training loss with the straggler "
+                 f"{'met' if semi_over[0] <= claim['target_over_healthy'] else 'not met'}; {against_bound(bound)}; SEMI is "
+                 f"{x(bench.median('SEMI-migration') / bench.median('baseline') / bound)} of that bound, by medians); training loss with the straggler "
                  f"{pct(semi_q['vs_no_straggler'])} against none ({(st.get('quality_args') or st['args'])['steps']} steps, one seed)."]
         self.row("**ZERO-resizing / SEMI**", f"SEMI with a half-speed rank ÷ the healthy step {x(semi_over[0])} paired "
                  f"(`straggler_tp.json`); ÷ {'`peer:dtensor_tp` with the same straggler' if peer_slowed else 'healthy `peer:dtensor_tp`'} "
                  f"{x(run.paired('plan', 'baseline')[0])}, ÷ healthy commfx tp {x(over_healthy[0])} (`{run.name}`; target ≤ "
-                 f"{claim['target_over_healthy']}×: {'met' if max(semi_over[0], over_healthy[0]) <= claim['target_over_healthy'] else 'not met'})",
+                 f"{claim['target_over_healthy']}×: {'met' if max(semi_over[0], over_healthy[0]) <= claim['target_over_healthy'] else 'not met'}; "
+                 f"no split of the work can go below {x(bound)} and {x(peer_bound)} there)",
                  run.peer() + ("; the peer had the same straggler" if peer_slowed else "; the peer had no straggler"),
                  f"{describe_model(bench.d['model'], {})}, {run.model()}; {(st.get('run') or {}).get('proportions') or 'not recorded'}", bench.link_layout(), "measured", load,
                  ["straggler_tp.json", run.name])

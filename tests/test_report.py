@@ -65,6 +65,19 @@ def test_paired_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians
         report.paired([1.0, 2.0], [1.0])
 
 
+def test_the_balance_bound_re_splits_only_the_compute_in_proportion_to_speed():
+    """Healthy step 100 ms, 60 of it each rank's compute; one of two ranks at half speed: the
+    compute re-split 2:1 takes 2 * 60 / 1.5 = 80 ms, the 40 ms of the rest stays: 1.2 of the step.
+    Four ranks: 4 * 60 / 3.5."""
+    def healthy(ranks: int) -> dict:
+        plan = {"label": "healthy", "wall": {"samples_s": [0.1, 0.1, 0.1]}, "rank_compute_only_median_s": [0.06] * ranks}
+        return {"plans": [plan]}
+
+    assert report.Run("two", healthy(2)).balance_bound("healthy", 2.0) == pytest.approx(1.2)
+    assert report.Run("four", healthy(4)).balance_bound("healthy", 2.0) == pytest.approx((0.04 + 0.24 / 3.5) / 0.1)
+    assert report.Run("same speed", healthy(2)).balance_bound("healthy", 1.0) == pytest.approx(1.0)
+
+
 def test_template_may_not_state_figures():
     report.check_template("Prose about `run_bench.sh` and top-1 gating on Qwen3 {{lina}}")
     with pytest.raises(ValueError, match="figures of its own"):
