@@ -124,11 +124,11 @@ class Run:
         return statistics.median(self.samples(label, kind))
 
     def balance_bound(self, healthy: str, factor: float) -> float:
-        """The least step ÷ the healthy step that any split of the tensor-parallel work can reach
-        when one of the ranks computes `factor` times slower: the healthy ranks' compute c,
-        re-split in proportion to speed over n ranks, takes n c / (n - 1 + 1/factor); the rest
-        of the healthy step (communication) is kept. Work every rank repeats cannot be re-split,
-        so the true bound is higher."""
+        """The least step ÷ the healthy step that lossless re-balancing can reach when one of the
+        ranks computes `factor` times slower: the healthy ranks' compute c, re-split in
+        proportion to speed over n ranks, takes n c / (n - 1 + 1/factor); the rest of the
+        healthy step (communication) is kept. Work every rank repeats cannot be re-split, so
+        migration's true bound is higher; resizing (lossy) goes below it by dropping work."""
         computes = self.plans[healthy]["rank_compute_only_median_s"]
         n, compute, step = len(computes), max(computes), self.median(healthy)
         return (step - compute + n * compute / (n - 1 + 1 / factor)) / step
@@ -665,12 +665,12 @@ class Report:
 
         fast, slow = run.plans["plan"]["rank_compute_only_median_s"][:2]
         share_note = (" The CPU quota slows the rank's communication threads too." if run.d["straggler"]["method"] == "cgroup" else "")
-        share_note += (f" The slow rank's compute took {x(slow / fast)}× the fast rank's, where a split in proportion to speed "
-                       f"takes 1×: " + ("SEMI's resizing did not move enough work here." if slow / fast > 1.2 else "SEMI balanced it."))
+        share_note += (f" The slow rank's compute-only step took {x(slow / fast)}× the fast rank's (a split in proportion to speed "
+                       "would take 1×).")
 
         def against_bound(b: float) -> str:
-            return (f"balance bound {x(b)}×: the healthy step's communication plus its compute re-split in proportion to "
-                    f"the ranks' speeds" + (f"; the target of {target}× lies below it" if target < b else ""))
+            return (f"lossless balance bound {x(b)}×: the healthy step's communication plus its compute re-split in proportion "
+                    "to the ranks' speeds" + (f"; below it, as the target of {target}× is, only resizing's dropped work reaches" if target < b else ""))
         peer_note = (f"The peer ran with the same straggler ({straggler}), in the same rounds" if peer_slowed else
                      "The peer ran **without** the straggler, so the first ratio compares a slowed plan with a healthy peer")
         lines = [table(["plan", "straggler", "wall ms (p25–p75)", "÷ `peer:dtensor_tp` (paired)", "÷ commfx tp, healthy (paired)"]
@@ -690,7 +690,7 @@ class Report:
                  f"(`straggler_tp.json`); ÷ {'`peer:dtensor_tp` with the same straggler' if peer_slowed else 'healthy `peer:dtensor_tp`'} "
                  f"{x(run.paired('plan', 'baseline')[0])}, ÷ healthy commfx tp {x(over_healthy[0])} (`{run.name}`; target ≤ "
                  f"{claim['target_over_healthy']}×: {'met' if max(semi_over[0], over_healthy[0]) <= claim['target_over_healthy'] else 'not met'}; "
-                 f"no split of the work can go below {x(bound)} and {x(peer_bound)} there)",
+                 f"lossless re-balancing can reach no lower than {x(bound)} and {x(peer_bound)} there)",
                  run.peer() + ("; the peer had the same straggler" if peer_slowed else "; the peer had no straggler"),
                  f"{describe_model(bench.d['model'], {})}, {run.model()}; {(st.get('run') or {}).get('proportions') or 'not recorded'}", bench.link_layout(), "measured", load,
                  ["straggler_tp.json", run.name])

@@ -65,7 +65,7 @@ def test_paired_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians
         report.paired([1.0, 2.0], [1.0])
 
 
-def test_the_balance_bound_re_splits_only_the_compute_in_proportion_to_speed():
+def test_the_lossless_balance_bound_re_splits_only_the_compute_in_proportion_to_speed():
     """Healthy step 100 ms, 60 of it each rank's compute; one of two ranks at half speed: the
     compute re-split 2:1 takes 2 * 60 / 1.5 = 80 ms, the 40 ms of the rest stays: 1.2 of the step.
     Four ranks: 4 * 60 / 3.5."""
