@@ -69,13 +69,13 @@ def test_the_lossless_balance_bound_re_splits_only_the_compute_in_proportion_to_
     """Healthy step 100 ms, 60 of it each rank's compute; one of two ranks at half speed: the
     compute re-split 2:1 takes 2 * 60 / 1.5 = 80 ms, the 40 ms of the rest stays: 1.2 of the step.
     Four ranks: 4 * 60 / 3.5."""
-    def healthy(ranks: int) -> dict:
+    def healthy(ranks: int, factor: float = 2.0) -> dict:
         plan = {"label": "healthy", "wall": {"samples_s": [0.1, 0.1, 0.1]}, "rank_compute_only_median_s": [0.06] * ranks}
-        return {"plans": [plan]}
+        return {"plans": [plan], "straggler": {"factor": factor}}
 
-    assert report.Run("two", healthy(2)).balance_bound("healthy", 2.0) == pytest.approx(1.2)
-    assert report.Run("four", healthy(4)).balance_bound("healthy", 2.0) == pytest.approx((0.04 + 0.24 / 3.5) / 0.1)
-    assert report.Run("same speed", healthy(2)).balance_bound("healthy", 1.0) == pytest.approx(1.0)
+    assert report.Run("two", healthy(2)).balance_bound("healthy") == pytest.approx(1.2)
+    assert report.Run("four", healthy(4)).balance_bound("healthy") == pytest.approx((0.04 + 0.24 / 3.5) / 0.1)
+    assert report.Run("same speed", healthy(2, 1.0)).balance_bound("healthy") == pytest.approx(1.0)
 
 
 def test_template_may_not_state_figures():
