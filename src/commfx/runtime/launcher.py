@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .devices import check_device
+from .rank_template import ForkedRank, RankTemplate, TemplateUnavailable, die_with
 from .worker import PORT_TAKEN
 
 
@@ -93,17 +94,19 @@ def launch(
     check_device(device, ranks_per_node=world_size)  # every local rank runs on this machine
     with stop_on_signals():
         job = Path(tempfile.mkdtemp(prefix="commfx-job-"))
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen | ForkedRank] = []
         try:
             (job / "job.pkl").write_bytes(
                 pickle.dumps(
                     {"function": function, "kwargs": kwargs or {}, "world_size": world_size, "collective_timeout_s": collective_timeout_s, "device": device}
                 )
             )
+            # Every rank forked from a template, or every rank a fresh process (rank_template.py).
+            forked = rank_environment is None and not stream_rank0 and device == "cpu"
             for attempt in range(1 if master_port else PORT_ATTEMPTS):
                 port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
                 for rank in range(world_size):
-                    procs.append(_start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0))
+                    procs.append(_start_rank(job, rank, world_size, master_addr, port, rank_environment, stream_rank0 and rank == 0, forked))
                 try:
                     _watch(procs, job, timeout_s=timeout_s, grace_s=grace_s)
                     break
@@ -187,25 +190,34 @@ def stop_on_signals(*, exit_after_a_stop: bool = False):
             signal.signal(s, signal.SIG_IGN if exit_after_a_stop and handler.stopping else h)
 
 
-def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream) -> subprocess.Popen:
+def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment, stream, forked) -> subprocess.Popen | ForkedRank:
     extra = rank_environment(rank) if rank_environment else RankEnvironment()
     env = dict(os.environ)
     src_root = str(Path(__file__).resolve().parents[2])
     extra_paths = [src_root, *[p for p in sys.path if p and Path(p).is_dir() and "site-packages" not in p and "lib/python" not in p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(extra_paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
+    env["OMP_NUM_THREADS"] = "1"
+    template = _template_for(env) if forked else None
     env.update(
         {
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
             "COMMFX_LAUNCHER_PID": str(os.getpid()),  # the worker exits if this process dies
         }
     )
     env.update(extra.env)
+    log_path = job / f"log_{rank}.txt"
+    if template is not None:
+        log_path.touch()
+        try:
+            return template.start_rank([str(job), str(rank)], env, log_path, os.getcwd())
+        except TemplateUnavailable:
+            _TEMPLATES.pop(_fingerprint(template.environment), None)
+            template.close()
     argv = [*extra.prefix, sys.executable, "-m", "commfx.runtime.worker", str(job), str(rank)]
-    with open(job / f"log_{rank}.txt", "wb") as log:  # the rank holds its own copy
+    with open(log_path, "wb") as log:  # the rank holds its own copy
         return subprocess.Popen(
             argv,
             env=env,
@@ -213,29 +225,44 @@ def _start_rank(job: Path, rank, world_size, master_addr, port, rank_environment
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
 
 
-def _die_with(launcher_pid: int) -> Callable[[], None] | None:
-    """What a rank runs between fork and exec: ask the kernel to SIGKILL it when the launcher
-    dies (PR_SET_PDEATHSIG survives exec). Armed here, not in the worker, because a rank spends
-    its first seconds importing torch (ten or more on a busy machine) before its own code runs;
-    a launcher killed then must not leave it behind. The worker's parent watch is the backstop."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: the child only calls it
-    except (OSError, AttributeError):
+# One rank template per environment it was started with: torch, dynamo and commfx read
+# environment variables when they are imported, so a rank forked from a template started
+# under another environment would not be the rank a fresh process is.
+_TEMPLATES: dict[frozenset, RankTemplate] = {}
+_TEMPLATES_KEPT = 2
+_template_failed = False
+
+
+def _fingerprint(env: dict[str, str]) -> frozenset:
+    return frozenset((k, v) for k, v in env.items() if k != "PYTHONPATH")
+
+
+def _template_for(env: dict[str, str]) -> RankTemplate | None:
+    """The template for ranks started with `env`, started on first use; None where ranks
+    must be fresh processes (COMMFX_RANK_TEMPLATE=0, or a template failed to start here), or
+    off the main thread (the kernel's parent-death signal follows the thread that forked)."""
+    global _template_failed
+    if env.get("COMMFX_RANK_TEMPLATE", "1") == "0" or _template_failed or threading.current_thread() is not threading.main_thread():
         return None
+    key = _fingerprint(env)
+    template = _TEMPLATES.get(key)
+    if template is not None and template.alive:
+        return template
+    for old_key in [k for k, t in _TEMPLATES.items() if not t.alive or (len(_TEMPLATES) >= _TEMPLATES_KEPT and not t.busy())]:
+        _TEMPLATES.pop(old_key).close()
+    try:
+        _TEMPLATES[key] = RankTemplate(env)
+    except (TemplateUnavailable, OSError):
+        _template_failed = True
+        return None
+    return _TEMPLATES[key]
 
-    def arm() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
-            os._exit(3)
 
-    return arm
-
-
-def _watch(procs: list[subprocess.Popen], job: Path, *, timeout_s: float, grace_s: float) -> None:
+def _watch(procs: list[subprocess.Popen | ForkedRank], job: Path, *, timeout_s: float, grace_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     failure_deadline = None
     killed: set[int] = set()
@@ -348,7 +375,7 @@ def _is_communication_failure(traceback_text: str) -> bool:
     return any(marker in summary for marker in _PEER_FAILURE_MARKERS)
 
 
-def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 1.0) -> None:
+def _dump_stacks(procs: list[subprocess.Popen | ForkedRank], wait_s: float = 1.0) -> None:
     """Ask every running rank for its threads' stacks (the worker's faulthandler writes
     them to its log on SIGUSR1)."""
     asked = False
@@ -391,7 +418,7 @@ def _main_thread_block(text: str) -> list[str] | None:
     return None
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> set[int]:
+def _kill_all(procs: list[subprocess.Popen | ForkedRank]) -> set[int]:
     """SIGKILL every rank still running (its whole process group); returns their ranks."""
     killed = set()
     for rank, p in enumerate(procs):
