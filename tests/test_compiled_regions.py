@@ -117,6 +117,9 @@ def test_compiled_regions_equal_the_interpreted_graph_in_float64():
     torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-10)
     for got, want in zip(grads, want_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    # the two layers' regions of the same code share their compiled code (compile_regions._COMPILED)
+    modules = [m for phase in ("forward", "backward") for m in compiled[phase].modules() if hasattr(m, "compiled")]
+    assert len({id(m.compiled) for m in modules}) < len(modules)
     for phase in ("forward", "backward"):
         gm, before = compiled[phase], plain[phase]
         regions = [n for n in gm.graph.nodes if n.op == "call_module"]

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -262,8 +263,8 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for source in inputs:
-        placeholder = graph.placeholder(source.name)
+    for position, source in enumerate(inputs):
+        placeholder = graph.placeholder(f"input_{position}")
         placeholder.meta.update(source.meta)
         env[source] = placeholder
     for node in nodes:
@@ -279,6 +280,9 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
     strides = context.output_strides if context is not None else None
     if context is not None:  # Inductor records a graph's output strides there: they are the region's, not the lowered graph's
         context.output_strides = None
+    key = _reuse_key(decomposed, examples, is_backward, mode)
+    if key is not None and key in _COMPILED:
+        return CompiledRegion(region, _COMPILED[key])
     try:
         try:
             compiled = compile_fx_inner(decomposed, examples, is_backward=is_backward, is_inference=False)
@@ -288,7 +292,51 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
     finally:
         if context is not None:
             context.output_strides = strides
+    if key is not None:
+        _COMPILED[key] = compiled
     return CompiledRegion(region, compiled)
+
+
+# Regions compiled in this process, by what their compiled code depends on (`_reuse_key`).
+# The layers of a model give regions of the same code whose sizes differ only in the names
+# of their data-dependent symbols (u14 in one layer, u26 in the next), which Inductor's FX
+# graph cache keys apart: a model of L layers would compile each region L times.
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _reuse_key(decomposed: fx.GraphModule, examples: list, is_backward: bool, mode) -> tuple | None:
+    """What a region's compiled code depends on: its decomposed graph's code, each input's
+    kind, dtype, device, sizes and strides with symbols renamed by first appearance, those
+    symbols' value ranges and the runtime asserts on them, and Inductor's configuration.
+    None (compile it) when the graph holds constants, whose values the code does not show."""
+    if any(node.op == "get_attr" for node in decomposed.graph.nodes):
+        return None
+    names: dict = {}
+
+    def canonical(size) -> str:
+        expr = size.node.expr if isinstance(size, torch.SymInt) else size
+        if not hasattr(expr, "free_symbols"):
+            return str(expr)
+        for symbol in sorted(expr.free_symbols, key=str):
+            names.setdefault(symbol, sympy.Symbol(f"c{len(names)}", integer=True))
+        return str(expr.xreplace(names))
+
+    signature = []
+    for example in examples:
+        if isinstance(example, torch.Tensor):
+            signature.append((example.dtype, example.device.type, tuple(map(canonical, example.shape)), tuple(map(canonical, example.stride())), example.requires_grad))
+        else:
+            signature.append((type(example).__name__, canonical(example)))
+    shape_env = getattr(mode, "shape_env", None)
+    facts: list = []
+    if shape_env is not None:
+        for symbol, name in names.items():
+            value_range = shape_env.var_to_range.get(symbol)
+            facts.append((str(name), str(value_range)))
+            for runtime_assert in shape_env.deferred_runtime_asserts.get(symbol, ()):
+                if runtime_assert.expr.free_symbols <= names.keys():
+                    facts.append(str(runtime_assert.expr.xreplace(names)))
+    return (decomposed.code, tuple(signature), tuple(facts), is_backward, torch._inductor.config.get_hash())
 
 
 def _plain_sums(examples: list, mode) -> list:
