@@ -90,3 +90,25 @@ def test_the_template_and_its_ranks_exit_when_the_launcher_is_killed(tmp_path):
     finally:
         for pid in _processes_under(tmp_path):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_process_forked_from_the_launcher_starts_its_own_template():
+    """The parent's template answers the parent's reader thread, which a fork does not copy."""
+    parent = launch("template_workers:describe", 1, timeout_s=120)[0]["parent"]
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            started = time.monotonic()
+            seen = launch("template_workers:describe", 1, timeout_s=120)[0]["parent"]
+            code = 0 if seen not in (parent, os.getpid()) and time.monotonic() - started < 25 else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(0)
+    os.close(write)
+    try:
+        result = os.read(read, 1)
+    finally:
+        os.waitpid(child, 0)
+    assert result == b"\x00", "the forked launcher used its parent's template, or fell back to fresh ranks"

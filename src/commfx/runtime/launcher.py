@@ -248,6 +248,8 @@ def _template_for(env: dict[str, str]) -> RankTemplate | None:
     global _template_failed
     if env.get("COMMFX_RANK_TEMPLATE", "1") == "0" or _template_failed or threading.current_thread() is not threading.main_thread():
         return None
+    if any(t.owner != os.getpid() for t in _TEMPLATES.values()):
+        _TEMPLATES.clear()  # inherited through a fork: the parent's templates answer the parent
     key = _fingerprint(env)
     template = _TEMPLATES.get(key)
     if template is not None and template.alive:

@@ -83,6 +83,7 @@ class RankTemplate:
 
     def __init__(self, environment: dict[str, str]):
         self.environment = environment
+        self.owner = os.getpid()  # a process forked from the launcher must start its own template
         self._exits: dict[int, int] = {}
         self._started: list[int] = []
         self._changed = threading.Condition()
