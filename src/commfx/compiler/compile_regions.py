@@ -263,7 +263,7 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for position, source in enumerate(inputs):
+    for position, source in enumerate(inputs):  # named by position: each layer's region has the same code (`_reuse_key`)
         placeholder = graph.placeholder(f"input_{position}")
         placeholder.meta.update(source.meta)
         env[source] = placeholder

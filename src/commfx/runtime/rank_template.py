@@ -64,12 +64,8 @@ class ForkedRank:
     def __init__(self, pid: int, template: "RankTemplate"):
         self.pid, self._template = pid, template
 
-    @property
-    def returncode(self) -> int | None:
-        return self._template.exit_code(self.pid)
-
     def poll(self) -> int | None:
-        return self.returncode
+        return self._template.exit_code(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
         code = self._template.wait_exit(self.pid, timeout)
