@@ -119,7 +119,8 @@ def _host_syncs(gm) -> list[str]:
 
 def test_a_pack_experts_plan_compiles_its_regions_without_the_packed_op():
     """gpt-moe under pack_experts at world 1, float64: the regions Inductor compiles (with
-    the decompositions) hold no packed_expert_ffn, the expert GEMMs stay grouped GEMMs (the
+    the decompositions) hold no packed_expert_ffn and none of the packed exchange's glue
+    ops (metadata columns, the sum of returned rows, their gradients), the expert GEMMs stay grouped GEMMs (the
     backward's recomputed hidden layer merged with the forward's), and a step equals the
     interpreted one."""
     from test_compiled_regions import _targets, _train_once
@@ -136,6 +137,9 @@ def test_a_pack_experts_plan_compiles_its_regions_without_the_packed_op():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     forward, backward = (_targets(compiled[phase]) for phase in ("forward", "backward"))
     assert not any(name.startswith("packed_expert_ffn") for name in forward + backward), (forward, backward)
+    glue = ("attach_meta", "detach_meta", "scatter_add_tokens", "rank_dispatch_backward")
+    assert not any(name.startswith(glue) for name in forward + backward), (forward, backward)  # opened: fused
+    assert "rank_dispatch" in forward  # its row count depends on the routing: the op stays
     assert not any(_host_syncs(compiled[phase]) for phase in ("forward", "backward"))  # static shapes: V*k assignments
     for phase in ("forward", "backward"):
         report = compiled[phase].meta["commfx_regions"]

@@ -10,7 +10,9 @@ experts' backward recomputes with the forward's: the partitioner saves it (a GEM
 recomputed), so the backward runs one grouped GEMM fewer, unless an activation memory budget
 says otherwise. The packed experts' op (`ops/packed.py`, Lina's packing) opens the same
 way, over all V*k of its assignments: the invalid ones are padding that the grouped GEMMs
-leave out, so no shape depends on the routing and nothing is read back to the host. Each
+leave out, so no shape depends on the routing and nothing is read back to the host; the
+packed exchange's glue (metadata columns on the rows, the sum of returned rows, their
+gradients) opens too, so it fuses into the gathers beside it. Each
 form computes what its op computes, in the same order of additions (but packed_expert_ffn's
 sum of a row's k expert outputs); communication ops are never opened (they bound the
 regions). `compute="interpret"` keeps the ops whole.
@@ -97,6 +99,38 @@ def _packed_expert_ffn_backward(grad_out, x, local_ids, weights, gate_up, down, 
     return grad_x, grad_weights, grad_gate_up.to(masters[0].dtype), grad_down.to(masters[1].dtype)
 
 
+def _attach_meta(rows, meta):
+    """attach_meta where the metadata has the rows' dtype: a concatenation, which Inductor
+    writes straight into the all-to-all's send buffer (other dtypes are bit-cast: the op stays)."""
+    if meta.dtype != rows.dtype:
+        return NotImplemented
+    return torch.cat([rows, meta], dim=1)
+
+
+def _detach_meta(payload, meta_like):
+    """detach_meta where the metadata has the rows' dtype: slices of the received payload, read
+    in place by the expert FFN's gathers instead of copied out first."""
+    if meta_like.dtype != payload.dtype:
+        return NotImplemented
+    meta_cols, k = meta_like.shape[1], meta_like.shape[1] // 2
+    hidden = payload.shape[1] - meta_cols
+    return payload[:, :hidden], payload[:, hidden : hidden + k], payload[:, hidden + k :].round().to(torch.int64)
+
+
+def _scatter_add_tokens(rows, row_token, num_tokens):
+    """scatter_add_tokens out of place (aot_autograd's graphs are functional)."""
+    return rows.new_zeros((num_tokens.shape[0], rows.shape[1])).index_add(0, row_token, rows)
+
+
+def _rank_dispatch_backward(grad_rows, grad_meta, row_token, meta, num_tokens):
+    """rank_dispatch_backward out of place: each token's rows and its routing weights'
+    gradients (where the weight's expert was on the row's rank) summed back."""
+    k = meta.shape[1] // 2
+    grad_x = grad_rows.new_zeros((num_tokens, grad_rows.shape[1])).index_add(0, row_token, grad_rows)
+    here = (meta[:, k:] >= 0).to(grad_meta.dtype)
+    return grad_x, grad_meta.new_zeros((num_tokens, k)).index_add(0, row_token, grad_meta[:, :k] * here)
+
+
 def _body(op) -> Callable:
     """The Python implementation a `torch.library.custom_op` was defined with: traced, it is
     the op's aten form."""
@@ -117,4 +151,8 @@ def compute_decompositions() -> dict[torch._ops.OpOverload, Callable]:
         commfx.packed_expert_ffn.default: _packed_expert_ffn,
         commfx.packed_expert_ffn_backward.default: _packed_expert_ffn_backward,
         commfx.embedding.default: _body(embedding.embedding),
+        commfx.attach_meta.default: _attach_meta,
+        commfx.detach_meta.default: _detach_meta,
+        commfx.scatter_add_tokens.default: _scatter_add_tokens,
+        commfx.rank_dispatch_backward.default: _rank_dispatch_backward,
     }
