@@ -9,11 +9,11 @@ neighbours, and the joint graph's common-subexpression pass merges the hidden la
 experts' backward recomputes with the forward's: the partitioner saves it (a GEMM is never
 recomputed), so the backward runs one grouped GEMM fewer, unless an activation memory budget
 says otherwise. The packed experts' op (`ops/packed.py`, Lina's packing) opens the same
-way, over all V*k of its assignments: the invalid ones are padding that the grouped GEMMs
-leave out, so no shape depends on the routing and nothing is read back to the host; the
-packed exchange's glue (metadata columns on the rows, the sum of returned rows, their
-gradients) opens too, so it fuses into the gathers beside it. Each
-form computes what its op computes, in the same order of additions (but packed_expert_ffn's
+way: on a GPU over all V*k of its assignments, the invalid ones padding that the grouped
+GEMMs leave out, so no shape depends on the routing and nothing is read back to the host;
+on the CPU over the valid ones only (`_cut_padding`). The packed exchange's glue (metadata
+columns on the rows, the sum of returned rows, their gradients) opens too, so it fuses into
+the gathers beside it. Each form computes what its op computes, in the same order of additions (but packed_expert_ffn's
 sum of a row's k expert outputs); communication ops are never opened (they bound the
 regions). `compute="interpret"` keeps the ops whole.
 """
@@ -45,32 +45,49 @@ def _dispatch(x, indices, num_experts, capacity_factor, capacity_floor=None):
     return x.index_select(0, row_token), counts, slot
 
 
+def _cut_padding(device: torch.device) -> bool:
+    """Whether the packed experts' layout holds only the valid assignments: on the CPU, where
+    reading their count back costs nothing and the padding would still pass through every
+    gather and pointwise op around the GEMMs (a third of the assignments at top-2 on two
+    ranks, half at top-8); not on a GPU, where the read would stall the stream."""
+    return device.type == "cpu"
+
+
 def _packed_layout(local_ids: torch.Tensor, local_experts: int):
-    """packed_expert_ffn's assignments laid out by local expert with a static shape, no host
-    sync: all V*k of them, the valid ones grouped by expert (row order within one, as the op
-    lays them out) and the invalid ones (id -1) last, as padding past sum(counts) that the
-    grouped GEMMs leave out (`ops/grouped_gemm.py`). Returns (order [V*k]: the flat
-    assignment of each laid-out row, counts [L], slot [V, k]: each assignment's row,
-    valid [V, k])."""
+    """packed_expert_ffn's assignments laid out by local expert: the valid ones grouped by
+    expert (row order within one, as the op lays them out). With `_cut_padding`, only those
+    (their count read back once); otherwise all V*k of them with a static shape and no host
+    sync, the invalid ones (id -1) last, as padding past sum(counts) that the grouped GEMMs
+    leave out (`ops/grouped_gemm.py`). Returns (order: the flat assignment of each laid-out
+    row, counts [L], slot [V, k]: each assignment's row, valid [V, k], or None where the
+    padding is cut and slot counts from 1, 0 naming a zero row: see `_per_row`)."""
     flat = local_ids.reshape(-1)
     valid = flat >= 0
     expert = torch.where(valid, flat, local_experts)  # the padding "expert" L sorts last
     order = torch.argsort(expert, stable=True)
     counts = moe.expert_counts(expert, local_experts + 1)[:local_experts]
     slot = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
-    return order, counts, slot.view_as(local_ids), valid.view_as(local_ids)
+    if not _cut_padding(local_ids.device):
+        return order, counts, slot.view_as(local_ids), valid.view_as(local_ids)
+    assigned = counts.sum().item()
+    torch._check_is_size(assigned)
+    torch._check(assigned <= flat.numel())
+    return order[:assigned], counts, torch.where(valid, slot + 1, 0).view_as(local_ids), None
 
 
-def _per_row(laid: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _per_row(laid: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """[V, k, ...]: each assignment's laid-out row, zeros where it is invalid (`where`: a
-    padding row's value is unspecified); gathered, so no scatter and no atomic adds."""
+    padding row's value is unspecified; a zero row put first where the padding is cut);
+    gathered, so no scatter and no atomic adds."""
+    if valid is None:
+        return torch.cat([laid.new_zeros((1,) + laid.shape[1:]), laid])[slot]
     picked = laid[slot]
     return torch.where(valid.view(valid.shape + (1,) * (picked.dim() - 2)), picked, 0)
 
 
 def _packed_expert_ffn(x, local_ids, weights, gate_up, down, activation):
     """packed_expert_ffn as a gather of each assignment's row, the grouped expert FFN over
-    all V*k assignments (the invalid ones padding the GEMMs leave out) and, per row, the sum
+    the assignments `_packed_layout` lays out and, per row, the sum
     of its weighted expert outputs (over its k choices, in choice order: the op adds them
     in expert order, which differs only in rounding for k > 2)."""
     k = local_ids.shape[1]
