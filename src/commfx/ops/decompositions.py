@@ -70,7 +70,7 @@ def _packed_layout(local_ids: torch.Tensor, local_experts: int):
     if not _cut_padding(local_ids.device):
         return order, counts, slot.view_as(local_ids), valid.view_as(local_ids)
     assigned = counts.sum().item()
-    torch._check_is_size(assigned)
+    torch._check(assigned >= 0)
     torch._check(assigned <= flat.numel())
     return order[:assigned], counts, torch.where(valid, slot + 1, 0).view_as(local_ids), None
 
