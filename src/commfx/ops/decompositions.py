@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import embedding, moe
+from . import embedding, moe, packed
 from .grouped_gemm import grouped_mm
 
 commfx = torch.ops.commfx
@@ -134,20 +134,6 @@ def _detach_meta(payload, meta_like):
     return payload[:, :hidden], payload[:, hidden : hidden + k], payload[:, hidden + k :].round().to(torch.int64)
 
 
-def _scatter_add_tokens(rows, row_token, num_tokens):
-    """scatter_add_tokens out of place (aot_autograd's graphs are functional)."""
-    return rows.new_zeros((num_tokens.shape[0], rows.shape[1])).index_add(0, row_token, rows)
-
-
-def _rank_dispatch_backward(grad_rows, grad_meta, row_token, meta, num_tokens):
-    """rank_dispatch_backward out of place: each token's rows and its routing weights'
-    gradients (where the weight's expert was on the row's rank) summed back."""
-    k = meta.shape[1] // 2
-    grad_x = grad_rows.new_zeros((num_tokens, grad_rows.shape[1])).index_add(0, row_token, grad_rows)
-    here = (meta[:, k:] >= 0).to(grad_meta.dtype)
-    return grad_x, grad_meta.new_zeros((num_tokens, k)).index_add(0, row_token, grad_meta[:, :k] * here)
-
-
 def _body(op) -> Callable:
     """The Python implementation a `torch.library.custom_op` was defined with: traced, it is
     the op's aten form."""
@@ -170,6 +156,6 @@ def compute_decompositions() -> dict[torch._ops.OpOverload, Callable]:
         commfx.embedding.default: _body(embedding.embedding),
         commfx.attach_meta.default: _attach_meta,
         commfx.detach_meta.default: _detach_meta,
-        commfx.scatter_add_tokens.default: _scatter_add_tokens,
-        commfx.rank_dispatch_backward.default: _rank_dispatch_backward,
+        commfx.scatter_add_tokens.default: _body(packed.scatter_add_tokens),
+        commfx.rank_dispatch_backward.default: _body(packed.rank_dispatch_backward),
     }

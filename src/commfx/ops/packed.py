@@ -134,10 +134,10 @@ def rank_dispatch_backward(
     """Gradients of rank_dispatch for x (a token's rows summed) and its routing weights (each
     weight went, unmasked, to exactly one rank: the one holding its expert)."""
     k = meta.shape[1] // 2
-    grad_x = grad_rows.new_zeros((num_tokens, grad_rows.shape[1])).index_add_(0, row_token, grad_rows)
+    grad_x = grad_rows.new_zeros((num_tokens, grad_rows.shape[1])).index_add(0, row_token, grad_rows)
     here = (meta[:, k:] >= 0).to(grad_meta.dtype)
-    grad_weights = grad_meta.new_zeros((num_tokens, k)).index_add_(0, row_token, grad_meta[:, :k] * here)
-    return grad_x, grad_weights
+    grad_weights = grad_meta.new_zeros((num_tokens, k)).index_add(0, row_token, grad_meta[:, :k] * here)
+    return grad_x, grad_weights  # out of place: this body is also the op's aten form (ops/decompositions.py)
 
 
 @rank_dispatch_backward.register_fake
@@ -154,7 +154,7 @@ register_autocast(torch.ops.commfx.rank_dispatch.default, (0,))  # the rows, not
 def scatter_add_tokens(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
     """out[t] = sum of rows[u] over u with row_token[u] == t (tokens with no row get 0).
     `num_tokens` is a tensor whose dim 0 is the token count (the tokens themselves)."""
-    return rows.new_zeros((num_tokens.shape[0], rows.shape[1])).index_add_(0, row_token, rows)
+    return rows.new_zeros((num_tokens.shape[0], rows.shape[1])).index_add(0, row_token, rows)  # out of place: also its aten form
 
 
 @scatter_add_tokens.register_fake
