@@ -31,7 +31,7 @@ demo: install
 # The layout's import rules (pyproject.toml, [tool.importlinter]) first: a broken rule
 # fails with the import chain named, before the (longer) test run.
 # `test` (what CI runs) leaves out the cases marked slow: heavier duplicates, at world 4 or on
-# more HF families, of cases it runs smaller. `test-all` runs every case, the slow world-4/8 verifies and resharding runs too (much longer; not timed lately); `test` took 11 min 51 s (901 passed) from a clean clone with an empty Inductor cache on a 2-core development machine, and the whole .ci/run 14 min 35 s, installs included (2026-12-02; before the rank template and the region memo: 19 min 27 s cold, per test in benchmarks/log/2026-12-02-test_durations_cold_and_warm.tsv).
+# more HF families, of cases it runs smaller. `test-all` runs every case, the slow world-4/8 verifies and resharding runs too (much longer; not timed lately); `test` took 12 min 46 s (907 passed; 11 min 51 s and 901 the day before) from a clean clone with an empty Inductor cache on a 2-core development machine, and the whole .ci/run about 16 min (14 min 35 s), installs included (2026-12-03; before the rank template and the region memo: 19 min 27 s cold, per test in benchmarks/log/2026-12-02-test_durations_cold_and_warm.tsv).
 # Goldens are always compared here, never rewritten: COMMFX_UPDATE_GOLDEN=1 belongs on a pytest
 # command run on purpose (see tests/golden_files.py).
 PYTEST := env -u COMMFX_UPDATE_GOLDEN $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
