@@ -13,9 +13,9 @@ way: on a GPU over all V*k of its assignments, the invalid ones padding that the
 GEMMs leave out, so no shape depends on the routing and nothing is read back to the host;
 on the CPU over the valid ones only (`_cut_padding`). The packed exchange's glue (metadata
 columns on the rows, the sum of returned rows, their gradients) opens too, so it fuses into
-the gathers beside it. Each form computes what its op computes, in the same order of additions (but packed_expert_ffn's
-sum of a row's k expert outputs); communication ops are never opened (they bound the
-regions). `compute="interpret"` keeps the ops whole.
+the gathers beside it. Each form computes what its op computes, in the same order of
+additions (but packed_expert_ffn's sum of a row's k expert outputs); communication ops are
+never opened (they bound the regions). `compute="interpret"` keeps the ops whole.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def _packed_expert_ffn_backward(grad_out, x, local_ids, weights, gate_up, down, 
 
 
 def _attach_meta(rows, meta):
-    """attach_meta where the metadata has the rows' dtype: a concatenation, which Inductor
-    writes straight into the all-to-all's send buffer (other dtypes are bit-cast: the op stays)."""
+    """attach_meta where the metadata has the rows' dtype: a concatenation, fused with the
+    gathers that make the rows (other dtypes are bit-cast: the op stays)."""
     if meta.dtype != rows.dtype:
         return NotImplemented
     return torch.cat([rows, meta], dim=1)
