@@ -261,28 +261,23 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for position, source in enumerate(inputs):  # named by position: each layer's region has the same code (`_reuse_key`)
-        placeholder = graph.placeholder(f"input_{position}")
-        placeholder.meta.update(source.meta)
-        env[source] = placeholder
-    for node in nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in outputs))
-    region = fx.GraphModule(torch.nn.Module(), graph)
+    region = _region_module(nodes, inputs, outputs)
     examples = [source.meta["val"] for source in inputs]
     mode = torch._guards.detect_fake_mode(examples)
     examples = _plain_sums(examples, mode)
+    # The region's own code and inputs decide its decomposition, so a region of the same code
+    # as one compiled before (the next layer's) reuses that code before it is traced again.
+    key = _reuse_key(region, examples, is_backward, mode)
+    if key is not None and key in _COMPILED:
+        return CompiledRegion(region, _COMPILED[key])
     with mode if mode is not None else contextlib.nullcontext():  # factory ops (arange of a size) trace on fakes too
         decomposed = make_fx(region, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
+    if any(node.op == "get_attr" for node in decomposed.graph.nodes):
+        key = None  # the decomposition made constants, whose values the region's code does not show
     context = torch._guards.TracingContext.try_get()
     strides = context.output_strides if context is not None else None
     if context is not None:  # Inductor records a graph's output strides there: they are the region's, not the lowered graph's
         context.output_strides = None
-    key = _reuse_key(decomposed, examples, is_backward, mode)
-    if key is not None and key in _COMPILED:
-        return CompiledRegion(region, _COMPILED[key])
     try:
         try:
             compiled = compile_fx_inner(decomposed, examples, is_backward=is_backward, is_inference=False)
@@ -297,6 +292,28 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
     return CompiledRegion(region, compiled)
 
 
+def _region_module(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    """`nodes` as a graph of their own, taking `inputs` (named by position) and returning `outputs`."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for position, source in enumerate(inputs):
+        placeholder = graph.placeholder(f"input_{position}")
+        placeholder.meta.update(source.meta)
+        env[source] = placeholder
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _structure(region: fx.GraphModule) -> tuple[str, ...]:
+    """The region's code without its node names (each layer's copy of a region names its
+    nodes apart): every node's op, target and arguments, nodes given by position."""
+    position = {node: index for index, node in enumerate(region.graph.nodes)}
+    return tuple(f"{node.op} {node.target} {fx.map_arg((node.args, node.kwargs), lambda n: f'%{position[n]}')}"
+                 for node in region.graph.nodes)
+
+
 # Regions compiled in this process, by what their compiled code depends on (`_reuse_key`).
 # The layers of a model give regions of the same code whose sizes differ only in the names
 # of their data-dependent symbols (u14 in one layer, u26 in the next), which Inductor's FX
@@ -304,12 +321,13 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
 _COMPILED: dict[tuple, Callable] = {}
 
 
-def _reuse_key(decomposed: fx.GraphModule, examples: list, is_backward: bool, mode) -> tuple | None:
-    """What a region's compiled code depends on: its decomposed graph's code, each input's
-    kind, dtype, device, sizes and strides with symbols renamed by first appearance, those
-    symbols' value ranges and the runtime asserts on them, and Inductor's configuration.
-    None (compile it) when the graph holds constants, whose values the code does not show."""
-    if any(node.op == "get_attr" for node in decomposed.graph.nodes):
+def _reuse_key(region: fx.GraphModule, examples: list, is_backward: bool, mode) -> tuple | None:
+    """What a region's compiled code depends on: its graph's structure (its decomposition
+    follows from it and the inputs), each input's kind, dtype, device, sizes and strides with symbols
+    renamed by first appearance, those symbols' value ranges and the runtime asserts on them,
+    and Inductor's configuration. None (compile it) when the graph holds constants, whose
+    values the code does not show."""
+    if any(node.op == "get_attr" for node in region.graph.nodes):
         return None
     names: dict = {}
 
@@ -336,7 +354,7 @@ def _reuse_key(decomposed: fx.GraphModule, examples: list, is_backward: bool, mo
             for runtime_assert in shape_env.deferred_runtime_asserts.get(symbol, ()):
                 if runtime_assert.expr.free_symbols <= names.keys():
                     facts.append(str(runtime_assert.expr.xreplace(names)))
-    return (decomposed.code, tuple(signature), tuple(facts), is_backward, torch._inductor.config.get_hash())
+    return (_structure(region), tuple(signature), tuple(facts), is_backward, torch._inductor.config.get_hash())
 
 
 def _plain_sums(examples: list, mode) -> list:
