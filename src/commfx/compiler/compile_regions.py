@@ -265,8 +265,8 @@ def _compile_region(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[f
     examples = [source.meta["val"] for source in inputs]
     mode = torch._guards.detect_fake_mode(examples)
     examples = _plain_sums(examples, mode)
-    # The region's own code and inputs decide its decomposition, so a region of the same code
-    # as one compiled before (the next layer's) reuses that code before it is traced again.
+    # The region's structure and inputs decide its decomposition, so a region of the same
+    # structure as one compiled before (the next layer's) reuses its code before tracing.
     key = _reuse_key(region, examples, is_backward, mode)
     if key is not None and key in _COMPILED:
         return CompiledRegion(region, _COMPILED[key])
@@ -323,10 +323,10 @@ _COMPILED: dict[tuple, Callable] = {}
 
 def _reuse_key(region: fx.GraphModule, examples: list, is_backward: bool, mode) -> tuple | None:
     """What a region's compiled code depends on: its graph's structure (its decomposition
-    follows from it and the inputs), each input's kind, dtype, device, sizes and strides with symbols
-    renamed by first appearance, those symbols' value ranges and the runtime asserts on them,
-    and Inductor's configuration. None (compile it) when the graph holds constants, whose
-    values the code does not show."""
+    follows from it and the inputs), each input's kind, dtype, device, sizes and strides
+    with symbols renamed by first appearance, those symbols' value ranges and the runtime
+    asserts on them, and Inductor's configuration. None (compile it) when the graph holds
+    constants, whose values the code does not show."""
     if any(node.op == "get_attr" for node in region.graph.nodes):
         return None
     names: dict = {}
